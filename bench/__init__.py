@@ -1,0 +1,1 @@
+"""Reproducible benchmarks of tokenfleet against its peers."""

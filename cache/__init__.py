@@ -1,0 +1,1 @@
+"""tokenfleet cache service (response caches, prefix directory); built in the prefix-caching issue."""

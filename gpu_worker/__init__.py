@@ -1,0 +1,1 @@
+"""GPU worker: runs the tokenfleet engine."""

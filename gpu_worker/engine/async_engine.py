@@ -1,0 +1,100 @@
+"""`AsyncLLMEngine`: the engine stepped by one background task; `generate` yields deltas as they come.
+
+Steps run in a worker thread (torch releases the GIL), so the event loop keeps serving while the model
+computes. Requests are added and aborted only between steps, on the loop's thread: the engine is never
+touched by two threads at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+from .config import EngineConfig
+from .llm_engine import LLMEngine
+from .outputs import RequestOutput
+from .sampling_params import SamplingParams
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._pending: list[tuple[str, object, SamplingParams, int]] = []
+        self._aborts: list[str] = []
+        self._wake = asyncio.Event()
+        self._loop_task: asyncio.Task | None = None
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> AsyncLLMEngine:
+        return cls(LLMEngine(config))
+
+    async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Yields `RequestOutput` deltas until the request finishes; leaving early aborts it."""
+        self.engine.encode_prompt(prompt)  # bad input raises here, before anything is queued
+        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._streams[request_id] = queue
+        self._pending.append((request_id, prompt, params, priority))
+        self._ensure_loop()
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._aborts.append(request_id)
+        self._wake.set()
+
+    def _ensure_loop(self) -> None:
+        if self._loop_task is None or self._loop_task.done():
+            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+        self._wake.set()
+
+    def _apply_pending(self) -> None:
+        pending, self._pending = self._pending, []
+        for request_id, prompt, params, priority in pending:
+            try:
+                self.engine.add_request(request_id, prompt, params, priority)
+            except ValueError as exc:
+                self._deliver(request_id, exc)
+        aborts, self._aborts = self._aborts, []
+        for request_id in aborts:
+            self.engine.abort_request(request_id)
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        queue = self._streams.get(request_id)
+        if queue is not None:
+            queue.put_nowait(item)
+
+    async def _run(self) -> None:
+        while True:
+            self._apply_pending()
+            if not self.engine.has_unfinished_requests():
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            try:
+                outputs = await asyncio.to_thread(self.engine.step)
+            except Exception as exc:  # a broken step fails its requests, not the loop
+                for request_id in list(self.engine.requests):
+                    self._deliver(request_id, exc)
+                    self.engine.abort_request(request_id)
+                continue
+            for output in outputs:
+                self._deliver(output.request_id, output)
+
+    async def shutdown(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop_task

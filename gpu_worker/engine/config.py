@@ -1,0 +1,20 @@
+"""Engine construction parameters (the engine's own; services pass theirs in from their settings)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    dtype: str = "auto"
+    device: str = "cpu"
+    block_size: int = 16
+    kv_cache_memory_bytes: int | None = None  # default: 1 GiB on CPU, gpu_memory_utilization on CUDA
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # default: the model's positions (its sliding window, if smaller)

@@ -1,0 +1,60 @@
+"""`LLM`: the offline, batch API (`llm.generate(prompts, params)`), as vLLM users know it."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as Seq
+from dataclasses import fields
+
+from .config import EngineConfig
+from .llm_engine import LLMEngine
+from .outputs import CompletionOutput, RequestOutput
+from .sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str, **engine_kwargs):
+        known = {f.name for f in fields(EngineConfig)}
+        unknown = set(engine_kwargs) - known
+        if unknown:
+            raise TypeError(f"unknown engine arguments: {', '.join(sorted(unknown))}")
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_kwargs))
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: str | list[int] | Seq[str | list[int]],
+                 params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Runs every prompt to completion; returns one output per prompt, in input order.
+
+        A single prompt may be a string or a list of token ids. Bad input raises before any prompt runs.
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = params or SamplingParams()
+        all_params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(all_params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(all_params)} sampling params")
+        for prompt in prompts:
+            self.engine.encode_prompt(prompt)
+        order: dict[str, int] = {}
+        for i, (prompt, p) in enumerate(zip(prompts, all_params, strict=True)):
+            request_id = f"llm-{next(self._ids)}"
+            order[request_id] = i
+            self.engine.add_request(request_id, prompt, p)
+        results: list[RequestOutput | None] = [None] * len(prompts)
+        while self.engine.has_unfinished_requests():
+            for delta in self.engine.step():
+                i = order.get(delta.request_id)
+                if i is None:
+                    continue
+                if results[i] is None:
+                    results[i] = RequestOutput(delta.request_id, delta.prompt_token_ids,
+                                               [CompletionOutput(k) for k in range(all_params[i].n)])
+                total = results[i]
+                for completion in delta.outputs:
+                    total.outputs[completion.index].extend(completion)
+                total.finished = delta.finished
+        return results

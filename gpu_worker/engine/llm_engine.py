@@ -1,0 +1,182 @@
+"""`LLMEngine`: requests in, token deltas out, one `step()` at a time."""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .attention import kv_cache_bytes_per_block
+from .builtin_models import resolve_model_dir
+from .config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from .detokenizer import IncrementalDetokenizer
+from .errors import InvalidRequestError
+from .kv_cache_manager import KVCacheManager
+from .loader import load_model
+from .model_config import ModelConfig, resolve_dtype, resolve_max_model_len
+from .model_runner import ModelRunner
+from .outputs import CompletionOutput, RequestOutput
+from .sampler import SampledToken
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from .sequence import Sequence
+from .tokenizer import Tokenizer
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt_token_ids: list[int]
+    seqs: list[Sequence]
+    detokenizers: list[IncrementalDetokenizer]
+    arrival_time: float
+    first_token_time: float | None = None
+    engine_seconds: float = 0.0  # this request's share of measured step time, by tokens processed
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = torch.device(config.device)
+        model_dir = resolve_model_dir(config.model)
+        self.model_config = ModelConfig.from_dir(model_dir)
+        self.dtype = resolve_dtype(config.dtype, self.model_config.checkpoint_dtype, self.device)
+        self.max_model_len = resolve_max_model_len(self.model_config, config.max_model_len)
+        self.tokenizer = Tokenizer(model_dir)
+        self.eos_token_ids = self.model_config.eos_token_ids | self.tokenizer.eos_token_ids
+        model = load_model(model_dir, self.model_config, self.dtype, self.device)
+        num_blocks = self._num_blocks()
+        self.kv = KVCacheManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len), self.kv
+        )
+        self.runner = ModelRunner(model, num_blocks, config.block_size, self.device)
+        self.requests: dict[str, RequestState] = {}
+        self._seq_counter = 0
+        self._entropy = random.SystemRandom()
+
+    def _num_blocks(self) -> int:
+        cfg = self.model_config
+        per_block = kv_cache_bytes_per_block(cfg.num_layers, self.config.block_size, cfg.num_kv_heads,
+                                             cfg.head_dim, self.dtype)
+        budget = self.config.kv_cache_memory_bytes
+        if budget is None and self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = int(free - total * (1 - self.config.gpu_memory_utilization))
+        num_blocks = (budget or DEFAULT_CPU_KV_CACHE_BYTES) // per_block
+        if num_blocks * self.config.block_size < self.max_model_len:
+            raise ValueError(
+                f"KV cache of {num_blocks} blocks holds {num_blocks * self.config.block_size} tokens, less than "
+                f"max_model_len {self.max_model_len}: raise kv_cache_memory_bytes or lower max_model_len"
+            )
+        return num_blocks
+
+    # ---- requests -------------------------------------------------------------------------------------
+
+    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise InvalidRequestError("prompt is empty", "prompt")
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {len(ids)} tokens; this model's context is {self.max_model_len} tokens "
+                "and at least one must be left for the completion", "prompt")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise InvalidRequestError(f"prompt token ids must lie in [0, {vocab})", "prompt")
+        return ids
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    priority: int = 0) -> None:
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already running", "request_id")
+        prompt_ids = self.encode_prompt(prompt)
+        seqs = [self._new_sequence(request_id, i, prompt_ids, params, priority) for i in range(params.n)]
+        seqs[0].forks_pending = seqs[1:]
+        self.requests[request_id] = RequestState(
+            request_id, prompt_ids, seqs, [IncrementalDetokenizer(self.tokenizer, params.stop) for _ in seqs],
+            arrival_time=time.perf_counter(),
+        )
+        self.scheduler.add(seqs[0])
+
+    def _new_sequence(self, request_id: str, index: int, prompt_ids: list[int], params: SamplingParams,
+                      priority: int) -> Sequence:
+        self._seq_counter += 1
+        seed = (params.seed * 1_000_003 + index) if params.seed is not None else self._entropy.getrandbits(63)
+        return Sequence(self._seq_counter, request_id, index, list(prompt_ids), len(prompt_ids), params,
+                        seed=seed, priority=priority, arrival=self._seq_counter)
+
+    def abort_request(self, request_id: str) -> None:
+        state = self.requests.pop(request_id, None)
+        if state is not None:
+            for seq in state.seqs:
+                self.scheduler.abort(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- stepping -------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        started = time.perf_counter()
+        sampled = self.runner.execute(out)
+        elapsed = time.perf_counter() - started
+        self.scheduler.update(out, {k: v.token_id for k, v in sampled.items()}, self.eos_token_ids)
+        self._attribute_step_time(out, elapsed)
+        outputs = self._process_samples(out, sampled)
+        self.scheduler.release_finished()
+        return outputs
+
+    def _attribute_step_time(self, out: SchedulerOutput, elapsed: float) -> None:
+        total = out.num_tokens
+        for chunk in out.chunks:
+            state = self.requests.get(chunk.seq.group_id)
+            if state is not None:
+                state.engine_seconds += elapsed * chunk.num_tokens / total
+
+    def _process_samples(self, out: SchedulerOutput, sampled: dict[int, SampledToken]) -> list[RequestOutput]:
+        now = time.perf_counter()
+        deltas: dict[str, list[CompletionOutput]] = {}
+        for chunk in out.chunks:
+            seq, token = chunk.seq, sampled.get(chunk.seq.seq_id)
+            if token is None:
+                continue
+            state = self.requests[seq.group_id]
+            state.first_token_time = state.first_token_time or now
+            detok = state.detokenizers[seq.index]
+            stop = detok.add_token(token.token_id)
+            if stop is not None:
+                seq.finish("stop", stop)
+            deltas.setdefault(state.request_id, []).append(CompletionOutput(
+                seq.index, detok.take_delta(seq.is_finished), [token.token_id], seq.finish_reason,
+                seq.stop_reason, None if token.logprobs is None else [token.logprobs],
+            ))
+        results = []
+        for request_id, completions in deltas.items():
+            state = self.requests[request_id]
+            if state.finished:
+                del self.requests[request_id]
+            results.append(RequestOutput(request_id, state.prompt_token_ids, completions, state.finished))
+        return results
+
+    # ---- introspection --------------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, float]:
+        pool = self.kv.pool
+        return {
+            "num_requests_running": len(self.scheduler.running),
+            "num_requests_waiting": len(self.scheduler.waiting),
+            "kv_blocks_total": pool.num_blocks,
+            "kv_blocks_used": pool.num_used,
+            "kv_cache_usage": pool.usage,
+            "num_preemptions": self.scheduler.num_preemptions,
+        }

@@ -1,0 +1,82 @@
+"""Executes one scheduled step: the only place that builds tensors and runs the model and the sampler."""
+
+from __future__ import annotations
+
+import torch
+
+from .attention import AttentionMetadata, PrefillChunk, allocate_kv_cache
+from .model import Transformer
+from .sampler import SampledToken, Sampler, SamplingBatch, position_uniform
+from .scheduler import ScheduledChunk, SchedulerOutput
+
+
+class ModelRunner:
+    def __init__(self, model: Transformer, num_blocks: int, block_size: int, device: torch.device):
+        cfg = model.config
+        self.model = model
+        self.device = device
+        self.block_size = block_size
+        self.kv_caches = allocate_kv_cache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads,
+                                           cfg.head_dim, model.embed_tokens.weight.dtype, device)
+        self.sampler = Sampler()
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> dict[int, SampledToken]:
+        # Decode tokens first: they are attended as one padded batch, prefill chunks one by one.
+        chunks = sorted(out.chunks, key=lambda c: c.num_tokens != 1)
+        input_ids, positions, meta = self._prepare(chunks)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        sample_rows, sampled_chunks, row = [], [], 0
+        for chunk in chunks:
+            row += chunk.num_tokens
+            if chunk.sample:
+                sample_rows.append(row - 1)
+                sampled_chunks.append(chunk)
+        if not sampled_chunks:
+            return {}
+        logits = self.model.logits(hidden[torch.tensor(sample_rows, device=self.device)])
+        tokens = self.sampler(logits, _sampling_batch(sampled_chunks))
+        return {c.seq.seq_id: t for c, t in zip(sampled_chunks, tokens, strict=True)}
+
+    def _prepare(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        decodes = [c for c in chunks if c.num_tokens == 1]
+        for c in chunks:
+            ids.extend(c.seq.token_ids[c.start:c.start + c.num_tokens])
+            pos.extend(range(c.start, c.start + c.num_tokens))
+        slots = [c.block_table[p // bs] * bs + p % bs for c in chunks for p in range(c.start, c.start + c.num_tokens)]
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            num_decode_tokens=len(decodes),
+            decode_block_tables=None,
+            decode_context_lens=None,
+            decode_max_context=max((c.start + 1 for c in decodes), default=0),
+            prefills=[],
+        )
+        if decodes:
+            width = max(len(c.block_table) for c in decodes)
+            tables = [c.block_table + [0] * (width - len(c.block_table)) for c in decodes]
+            meta.decode_block_tables = torch.tensor(tables, dtype=torch.long, device=dev)
+            meta.decode_context_lens = torch.tensor([c.start + 1 for c in decodes], device=dev)
+        start = len(decodes)
+        for c in chunks[len(decodes):]:
+            ctx = c.start + c.num_tokens
+            table = torch.tensor(c.block_table[: -(-ctx // bs)], dtype=torch.long, device=dev)
+            meta.prefills.append(PrefillChunk(start, c.num_tokens, ctx, table))
+            start += c.num_tokens
+        as_long = {"dtype": torch.long, "device": dev}
+        return torch.tensor(ids, **as_long), torch.tensor(pos, **as_long), meta
+
+
+def _sampling_batch(chunks: list[ScheduledChunk]) -> SamplingBatch:
+    seqs = [c.seq for c in chunks]
+    penalized = [s.params.has_penalties for s in seqs]
+    return SamplingBatch(
+        params=[s.params for s in seqs],
+        uniforms=[position_uniform(s.seed, s.num_output_tokens) for s in seqs],
+        prompt_token_ids=[s.token_ids[: s.num_prompt_tokens] if p else [] for s, p in zip(seqs, penalized, strict=True)],
+        output_token_ids=[s.output_token_ids if p else [] for s, p in zip(seqs, penalized, strict=True)],
+    )

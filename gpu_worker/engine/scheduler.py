@@ -1,0 +1,161 @@
+"""Decides, each step, which tokens of which sequences run: integers and queues only, never tensors.
+
+One token budget per step mixes decode tokens of running sequences with prefill chunks of new or partly
+prefilled ones (chunked prefill); there are no separate prefill and decode phases. When KV blocks run out,
+the lowest-priority, newest running sequence is preempted by recompute and goes back to the queue.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .kv_cache_manager import KVCacheManager
+from .sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    # A waiting sequence gains one priority level per this many steps, so low priority never starves.
+    priority_aging_steps: int = 1000
+
+
+@dataclass
+class ScheduledChunk:
+    """Run tokens [start, start + num_tokens) of `seq`; sample a token after them when `sample` is set."""
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+    block_table: list[int]
+    sample: bool
+
+
+@dataclass
+class SchedulerOutput:
+    """The per-step contract between the scheduler and the model runner."""
+
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+        self.config = config
+        self.kv = kv
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self._step = 0
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        seq.enqueued_step = self._step
+        self.waiting.append(seq)
+
+    def abort(self, seq: Sequence) -> None:
+        for pending in seq.forks_pending:
+            self.abort(pending)
+        seq.forks_pending.clear()
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.kv.free(seq)
+        if not seq.is_finished:
+            seq.finish("abort")
+
+    def _waiting_key(self, seq: Sequence) -> tuple[int, int]:
+        aged = (self._step - seq.enqueued_step) // self.config.priority_aging_steps
+        return (seq.priority - aged, seq.arrival)
+
+    def schedule(self) -> SchedulerOutput:
+        self._step += 1
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        self.running.sort(key=lambda s: (s.priority, s.arrival))
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(seq, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                out.chunks.append(self._chunk(seq, n))
+                budget -= n
+                i += 1
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        self.waiting.sort(key=self._waiting_key)
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self.kv.allocate_slots(seq, n):
+                break
+            self.waiting.pop(0)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.chunks.append(self._chunk(seq, n))
+            budget -= n
+
+    def _chunk(self, seq: Sequence, n: int) -> ScheduledChunk:
+        start = seq.num_computed_tokens
+        return ScheduledChunk(seq, start, n, self.kv.block_table(seq), sample=start + n == seq.num_tokens)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.kv.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.enqueued_step = self._step
+        self.waiting.append(seq)
+        self.num_preemptions += 1
+
+    def update(self, out: SchedulerOutput, sampled: dict[int, int], eos_token_ids: frozenset[int]) -> None:
+        """Advance sequences by what ran, append sampled tokens, fork n > 1 samples, free finished ones."""
+        for chunk in out.chunks:
+            seq = chunk.seq
+            seq.num_computed_tokens += chunk.num_tokens
+            if seq.forks_pending and seq.num_computed_tokens >= seq.num_prompt_tokens:
+                self._fork_pending(seq)
+            if chunk.sample:
+                seq.token_ids.append(sampled[seq.seq_id])
+                seq.check_token_stop(eos_token_ids, self.config.max_model_len)
+        self.release_finished()
+
+    def _fork_pending(self, parent: Sequence) -> None:
+        for child in parent.forks_pending:
+            child.num_computed_tokens = self.kv.fork(parent, child)
+            self.add(child)
+        parent.forks_pending.clear()
+
+    def release_finished(self) -> None:
+        finished = [s for s in self.running if s.is_finished]
+        for seq in finished:
+            for child in seq.forks_pending:  # a parent that never prefilled: its samples start unshared
+                self.add(child)
+            seq.forks_pending.clear()
+            self.running.remove(seq)
+            self.kv.free(seq)

@@ -1,0 +1,1 @@
+"""tokenfleet router (tier and worker choice); built in the service-pipeline issue."""

@@ -1,0 +1,1 @@
+"""Shared service code: CLI, stream protocol, config, telemetry, accounting."""

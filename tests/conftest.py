@@ -1,0 +1,72 @@
+"""Shared fixtures: small real HF checkpoints written with `transformers.save_pretrained`."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+# Keep tests on one thread each: the suite must fit 2 cores, and determinism is easier to reason about.
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=128, max_position_embeddings=1024, initializer_range=0.2)
+
+ARCHITECTURES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "llama3-rope": ("LlamaConfig", "LlamaForCausalLM", {"rope_parameters": {
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 256}}),
+    "llama-tied": ("LlamaConfig", "LlamaForCausalLM", {"tie_word_embeddings": True, "num_key_value_heads": 1}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
+}
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer():
+    from gpu_worker.engine.builtin_models import build_tokenizer
+
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def make_checkpoint(tmp_path_factory, hf_tokenizer):
+    """make_checkpoint(arch, dtype=torch.float32, **config overrides) -> directory; cached per session."""
+    import transformers
+
+    made: dict[tuple, Path] = {}
+
+    def make(arch: str, dtype: torch.dtype = torch.float32, **overrides) -> Path:
+        key = (arch, dtype, tuple(sorted(overrides.items(), key=str)))
+        if key not in made:
+            config_cls, model_cls, arch_overrides = ARCHITECTURES[arch]
+            config = getattr(transformers, config_cls)(
+                vocab_size=len(hf_tokenizer), eos_token_id=hf_tokenizer.eos_token_id,
+                **{**TINY, **arch_overrides, **overrides})
+            torch.manual_seed(len(made) + 1)
+            model = getattr(transformers, model_cls)(config).to(dtype)
+            out = tmp_path_factory.mktemp(arch)
+            model.save_pretrained(out)
+            hf_tokenizer.save_pretrained(out)
+            made[key] = out
+        return made[key]
+
+    return make
+
+
+def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new: list[int], dtype=torch.float32) -> list[list[int]]:
+    """HF `generate(do_sample=False)`, one prompt at a time (no padding), exactly max_new tokens each."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    outs = []
+    with torch.inference_mode():
+        for prompt, n in zip(prompts, max_new, strict=True):
+            ids = torch.tensor([prompt])
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
+                                 min_new_tokens=n, pad_token_id=0)
+            outs.append(gen[0, len(prompt):].tolist())
+    return outs
