@@ -32,7 +32,7 @@ BUILTIN_MODELS = {
                              num_key_value_heads=4, intermediate_size=2048, tie_word_embeddings=False),
 }
 
-_COMMON_WORDS = (
+_COMMON_WORDS = (  # noqa: SIM905 - a word list reads best as text
     "the of and to in is you that it he was for on are as with his they I at be this have from or one had by "
     "word but not what all were we when your can said there use an each which she do how their if will up other "
     "about out many then them these so some her would make like him into time has look two more write go see "

@@ -73,10 +73,11 @@ class ModelRunner:
 
 def _sampling_batch(chunks: list[ScheduledChunk]) -> SamplingBatch:
     seqs = [c.seq for c in chunks]
-    penalized = [s.params.has_penalties for s in seqs]
+    # Token lists are only needed, and only copied, for rows that apply penalties.
+    penalized = [s if s.params.has_penalties else None for s in seqs]
     return SamplingBatch(
         params=[s.params for s in seqs],
         uniforms=[position_uniform(s.seed, s.num_output_tokens) for s in seqs],
-        prompt_token_ids=[s.token_ids[: s.num_prompt_tokens] if p else [] for s, p in zip(seqs, penalized, strict=True)],
-        output_token_ids=[s.output_token_ids if p else [] for s, p in zip(seqs, penalized, strict=True)],
+        prompt_token_ids=[s.token_ids[: s.num_prompt_tokens] if s else [] for s in penalized],
+        output_token_ids=[s.output_token_ids if s else [] for s in penalized],
     )

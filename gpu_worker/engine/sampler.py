@@ -95,17 +95,29 @@ def _token_counts(token_lists: list[list[int]], vocab: int, device) -> torch.Ten
 
 
 def _sample_random(logits: torch.Tensor, params: list[SamplingParams], uniforms: list[float]) -> torch.Tensor:
+    """Rows that filter draw along their own sorted order, the others along vocabulary order: a row's
+    token depends on its own logits, parameters and uniform only, never on its neighbours in the batch."""
     device = logits.device
     temps = torch.tensor([p.temperature for p in params], device=device)[:, None]
     probs = torch.softmax(logits / temps, dim=-1)
-    order = None
-    if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
-        probs, order = probs.sort(dim=-1, descending=True)
-        probs = _filter_sorted(probs, params)
+    u = torch.tensor(uniforms, dtype=torch.float64, device=device)
+    tokens = torch.empty(len(params), dtype=torch.long, device=device)
+    filtering = [p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params]
+    plain = [i for i, f in enumerate(filtering) if not f]
+    filtered = [i for i, f in enumerate(filtering) if f]
+    if plain:
+        tokens[plain] = _inverse_cdf(probs[plain], u[plain])
+    if filtered:
+        sorted_probs, order = probs[filtered].sort(dim=-1, descending=True)
+        kept = _filter_sorted(sorted_probs, [params[i] for i in filtered])
+        tokens[filtered] = order.gather(1, _inverse_cdf(kept, u[filtered])[:, None])[:, 0]
+    return tokens
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     cdf = probs.double().cumsum(dim=-1)
-    targets = torch.tensor(uniforms, dtype=torch.float64, device=device)[:, None] * cdf[:, -1:]
-    picks = torch.searchsorted(cdf, targets, right=True).clamp_(max=probs.shape[-1] - 1)
-    return picks[:, 0] if order is None else order.gather(1, picks)[:, 0]
+    picks = torch.searchsorted(cdf, (u[:, None] * cdf[:, -1:]), right=True)
+    return picks.clamp_(max=probs.shape[-1] - 1)[:, 0]
 
 
 def _filter_sorted(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -115,6 +127,6 @@ def _filter_sorted(probs: torch.Tensor, params: list[SamplingParams]) -> torch.T
     top_p = torch.tensor([p.top_p for p in params], device=device)[:, None]
     min_p = torch.tensor([p.min_p for p in params], device=device)[:, None]
     mass_before = probs.cumsum(dim=-1) - probs
-    drop = (ranks >= top_k) | (mass_before >= top_p) | (probs < min_p * probs[:, :1])
+    drop = (ranks >= top_k) | ((mass_before >= top_p) & (top_p < 1.0)) | (probs < min_p * probs[:, :1])
     drop[:, 0] = False
     return probs.masked_fill(drop, 0.0)

