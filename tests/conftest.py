@@ -8,6 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
+# bench/gpu_check.sh runs the exactness tests on CUDA with TOKENFLEET_TEST_DEVICE=cuda.
+DEVICE = os.environ.get("TOKENFLEET_TEST_DEVICE", "cpu")
+
 # Keep tests on one thread each: the suite must fit 2 cores, and determinism is easier to reason about.
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
@@ -61,11 +64,11 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new: list[int], dty
     """HF `generate(do_sample=False)`, one prompt at a time (no padding), exactly max_new tokens each."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(DEVICE).eval()
     outs = []
     with torch.inference_mode():
         for prompt, n in zip(prompts, max_new, strict=True):
-            ids = torch.tensor([prompt])
+            ids = torch.tensor([prompt], device=DEVICE)
             gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
                                  min_new_tokens=n, pad_token_id=0)
             outs.append(gen[0, len(prompt):].tolist())

@@ -19,15 +19,41 @@ class PrefillChunk:
     query_len: int
     context_len: int  # tokens in the sequence after this chunk, the chunk included
     block_table: torch.Tensor  # [num_blocks] int64
+    mask: torch.Tensor | None  # [query_len, context_len]; None when nothing is cached before the chunk
+
+    @classmethod
+    def build(cls, query_start: int, query_len: int, context_len: int, block_table: torch.Tensor) -> PrefillChunk:
+        mask = None
+        if context_len != query_len:  # causal, aligned to the bottom right: row i sees the cache and 0..i
+            device = block_table.device
+            rows = torch.arange(query_len, device=device)[:, None] + (context_len - query_len)
+            mask = torch.arange(context_len, device=device)[None, :] <= rows
+        return cls(query_start, query_len, context_len, block_table, mask)
+
+
+@dataclass
+class DecodeBatch:
+    """Sequences with one query token each, attended together over their contexts padded to the longest."""
+
+    block_tables: torch.Tensor  # [num_decodes, max_blocks]
+    max_context: int
+    mask: torch.Tensor  # [num_decodes, 1, 1, max_context]
+
+    @classmethod
+    def build(cls, block_tables: torch.Tensor, context_lens: torch.Tensor) -> DecodeBatch:
+        max_context = int(context_lens.max())
+        positions = torch.arange(max_context, device=block_tables.device)
+        mask = (positions[None, :] < context_lens[:, None])[:, None, None, :]
+        return cls(block_tables, max_context, mask)
 
 
 @dataclass
 class AttentionMetadata:
+    """Built once per step by the model runner, shared by every layer."""
+
     slot_mapping: torch.Tensor  # [num_tokens] cache slot of each new token
     num_decode_tokens: int
-    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks]
-    decode_context_lens: torch.Tensor | None  # [num_decodes]
-    decode_max_context: int
+    decode: DecodeBatch | None
     prefills: list[PrefillChunk]
 
 
@@ -63,19 +89,16 @@ class TorchPagedAttention:
         return out
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-        tables = meta.decode_block_tables
-        max_ctx = meta.decode_max_context
-        keys = _gather(k_cache, tables, max_ctx)  # [B, KVH, L, D]
-        values = _gather(v_cache, tables, max_ctx)
-        positions = torch.arange(max_ctx, device=q.device)
-        mask = (positions[None, :] < meta.decode_context_lens[:, None])[:, None, None, :]
-        out = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=mask,
+        batch = meta.decode
+        keys = _gather(k_cache, batch.block_tables, batch.max_context)  # [B, KVH, L, D]
+        values = _gather(v_cache, batch.block_tables, batch.max_context)
+        out = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=batch.mask,
                                              scale=self.scale, enable_gqa=True)
         return out[:, :, 0, :]
 
     def _prefill(self, q, k, v, k_cache, v_cache, chunk: PrefillChunk) -> torch.Tensor:
         q = q.transpose(0, 1)[None]
-        if chunk.context_len == chunk.query_len:  # nothing cached before this chunk: attend to it alone
+        if chunk.mask is None:  # nothing cached before this chunk: attend to it alone
             keys, values = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
             out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=self.scale,
                                                  enable_gqa=True)
@@ -83,10 +106,7 @@ class TorchPagedAttention:
             tables = chunk.block_table[None]
             keys = _gather(k_cache, tables, chunk.context_len)
             values = _gather(v_cache, tables, chunk.context_len)
-            offset = chunk.context_len - chunk.query_len
-            rows = torch.arange(chunk.query_len, device=q.device)[:, None] + offset
-            mask = torch.arange(chunk.context_len, device=q.device)[None, :] <= rows
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale,
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=chunk.mask, scale=self.scale,
                                                  enable_gqa=True)
         return out[0].transpose(0, 1)
 
@@ -94,6 +114,6 @@ class TorchPagedAttention:
 def _gather(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
     """[blocks, block_size, KVH, D] cache, [B, nb] tables -> [B, KVH, length, D]."""
     batch = block_tables.shape[0]
-    blocks = cache[block_tables]  # [B, nb, block_size, KVH, D]
+    blocks = cache.index_select(0, block_tables.flatten())  # [B * nb, block_size, KVH, D]
     flat = blocks.view(batch, -1, *cache.shape[2:])[:, :length]
     return flat.transpose(1, 2)

@@ -9,6 +9,7 @@ import torch
 from safetensors import safe_open
 
 from .errors import ModelLoadError
+from .linear import pack_linears
 from .model import Transformer
 from .model_config import ModelConfig
 from .rope import RotaryEmbedding
@@ -70,6 +71,7 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, devi
                              + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
     # Built after the dtype cast: frequencies stay float32, as in HF.
     model.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)
+    pack_linears(model)
     return model.eval()
 
 

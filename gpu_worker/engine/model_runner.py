@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention import AttentionMetadata, PrefillChunk, allocate_kv_cache
+from .attention import AttentionMetadata, DecodeBatch, PrefillChunk, allocate_kv_cache
 from .model import Transformer
 from .sampler import SampledToken, Sampler, SamplingBatch, position_uniform
 from .scheduler import ScheduledChunk, SchedulerOutput
@@ -48,24 +48,17 @@ class ModelRunner:
             pos.extend(range(c.start, c.start + c.num_tokens))
         slots = [c.block_table[p // bs] * bs + p % bs for c in chunks for p in range(c.start, c.start + c.num_tokens)]
         dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            num_decode_tokens=len(decodes),
-            decode_block_tables=None,
-            decode_context_lens=None,
-            decode_max_context=max((c.start + 1 for c in decodes), default=0),
-            prefills=[],
-        )
+        meta = AttentionMetadata(torch.tensor(slots, dtype=torch.long, device=dev), len(decodes), None, [])
         if decodes:
             width = max(len(c.block_table) for c in decodes)
             tables = [c.block_table + [0] * (width - len(c.block_table)) for c in decodes]
-            meta.decode_block_tables = torch.tensor(tables, dtype=torch.long, device=dev)
-            meta.decode_context_lens = torch.tensor([c.start + 1 for c in decodes], device=dev)
+            meta.decode = DecodeBatch.build(torch.tensor(tables, dtype=torch.long, device=dev),
+                                            torch.tensor([c.start + 1 for c in decodes], device=dev))
         start = len(decodes)
         for c in chunks[len(decodes):]:
             ctx = c.start + c.num_tokens
             table = torch.tensor(c.block_table[: -(-ctx // bs)], dtype=torch.long, device=dev)
-            meta.prefills.append(PrefillChunk(start, c.num_tokens, ctx, table))
+            meta.prefills.append(PrefillChunk.build(start, c.num_tokens, ctx, table))
             start += c.num_tokens
         as_long = {"dtype": torch.long, "device": dev}
         return torch.tensor(ids, **as_long), torch.tensor(pos, **as_long), meta

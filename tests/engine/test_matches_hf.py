@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gpu_worker.engine import LLM, SamplingParams
-from tests.conftest import hf_greedy
+from tests.conftest import DEVICE, hf_greedy
 
 NUM_PROMPTS = 32
 
@@ -33,7 +33,7 @@ def _greedy(n: int) -> SamplingParams:
 
 def _run(model_dir, workload, count: int, **engine_kwargs):
     prompts, max_new = workload
-    llm = LLM(str(model_dir), dtype="float32", **engine_kwargs)
+    llm = LLM(str(model_dir), dtype="float32", device=DEVICE, **engine_kwargs)
     outputs = llm.generate(prompts[:count], [_greedy(n) for n in max_new[:count]])
     return llm, [o.token_ids for o in outputs]
 
@@ -70,10 +70,10 @@ def test_bfloat16_top1_within_hf_top5_until_divergence(make_checkpoint, workload
     model_dir = make_checkpoint("llama", dtype=torch.bfloat16)
     prompts, max_new = workload
     prompts, max_new = prompts[:8], max_new[:8]
-    ours = LLM(str(model_dir), dtype="bfloat16").generate(prompts, [_greedy(n) for n in max_new])
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    ours = LLM(str(model_dir), dtype="bfloat16", device=DEVICE).generate(prompts, [_greedy(n) for n in max_new])
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(DEVICE).eval()
     for prompt, out, n in zip(prompts, ours, max_new, strict=True):
-        ids = torch.tensor([prompt])
+        ids = torch.tensor([prompt], device=DEVICE)
         with torch.inference_mode():
             gen = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
                               min_new_tokens=n, output_scores=True, return_dict_in_generate=True,
@@ -91,11 +91,11 @@ def test_logprobs_match_hf_log_softmax(make_checkpoint, workload):
 
     model_dir = make_checkpoint("qwen2")
     prompt = workload[0][3]
-    out = LLM(str(model_dir), dtype="float32").generate(
+    out = LLM(str(model_dir), dtype="float32", device=DEVICE).generate(
         prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5))[0]
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(DEVICE).eval()
     with torch.inference_mode():
-        logits = hf(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1:-1]
+        logits = hf(torch.tensor([prompt + out.token_ids], device=DEVICE)).logits[0, len(prompt) - 1:-1]
     expected = torch.log_softmax(logits, dim=-1)
     assert len(out.logprobs) == 8
     for pos, entry in enumerate(out.logprobs):

@@ -1,0 +1,82 @@
+"""Runs in the llama.cpp virtual environment: converts the checkpoint with the `convert_hf_to_gguf.py`
+shipped in llama-cpp-python's sdist, then measures batch-1 greedy decode."""
+
+import json
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+
+def converter_dir(work_dir: Path, version: str) -> Path:
+    src = work_dir / f"llama.cpp-{version}"
+    if (src / "convert_hf_to_gguf.py").is_file():
+        return src
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-binary", ":all:", "--no-deps",
+                        f"llama-cpp-python=={version}", "-d", tmp], check=True)
+        sdist = next(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
+        with tarfile.open(sdist) as tar:
+            for member in tar.getmembers():
+                rel = member.name.split("/vendor/llama.cpp/", 1)
+                if len(rel) == 2 and (rel[1] == "convert_hf_to_gguf.py" or rel[1].startswith("gguf-py/")):
+                    member.name = rel[1]
+                    tar.extract(member, src, filter="data")
+    return src
+
+
+CONVERT = """
+import sys
+sys.path.insert(0, {gguf_py!r})
+sys.argv = ["convert_hf_to_gguf.py", {model!r}, "--outfile", {out!r}, "--outtype", {outtype!r}]
+sys.path.insert(0, {src!r})
+import convert_hf_to_gguf as c
+# Our byte-level BPE uses GPT-2's pre-tokenizer; the converter only knows tokenizers by a hash.
+for cls in (getattr(c, "TextModel", None), getattr(c, "Model", None)):
+    if cls is not None and hasattr(cls, "get_vocab_base_pre"):
+        cls.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+c.main()
+"""
+
+
+def ensure_gguf(model_dir: str, dtype: str, work_dir: Path, version: str) -> Path:
+    out = work_dir / "gguf" / f"{Path(model_dir).name}-{dtype}.gguf"
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    src = converter_dir(work_dir, version)
+    code = CONVERT.format(gguf_py=str(src / "gguf-py"), model=model_dir, out=str(out),
+                          outtype={"bf16": "bf16", "fp32": "f32"}[dtype], src=str(src))
+    subprocess.run([sys.executable, "-c", code], check=True, stdout=subprocess.DEVNULL)
+    return out
+
+
+def decode_rate(llm, prompt: list[int], n: int) -> float:
+    llm.reset()
+    first = None
+    for produced, _ in enumerate(llm.generate(prompt, temp=0.0, top_k=1), start=1):
+        if first is None:
+            first = time.perf_counter()
+        if produced == n:
+            break
+    return (n - 1) / (time.perf_counter() - first)
+
+
+def main(path: str) -> None:
+    import llama_cpp
+
+    spec = json.loads(Path(path).read_text())
+    gguf = ensure_gguf(spec["model_dir"], spec["dtype"], Path(spec["work_dir"]), llama_cpp.__version__)
+    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=1024, n_threads=2, n_batch=512, verbose=False)
+    prompt, n = spec["batch1"]["prompts"][0], spec["batch1"]["output_lens"][0]
+    decode_rate(llm, prompt, 4)  # warm-up
+    rates = [decode_rate(llm, prompt, n) for _ in range(spec["repeats"])]
+    figures = {"version": llama_cpp.__version__, "batch1_tps": statistics.median(rates)}
+    print("TOKENFLEET_PEER_RESULT", json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,55 @@
+"""Linear layers behind one small interface: a torch reference kernel and a prepacked oneDNN kernel.
+
+On CPU, bf16 `F.linear` re-lays out its weight for oneDNN on every call; packing it once at load time
+(the layout inductor's CPU freezing uses) runs the same math 1.3-1.9x faster here. The reference stays the
+default everywhere else and is what the exactness tests compare against.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# The row count oneDNN tunes the packed layout for; it serves every row count correctly.
+PACKING_BATCH_HINT = 128
+
+
+class TorchLinearKernel:
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, weight, bias)
+
+
+class OneDnnPackedLinearKernel:
+    def __init__(self, weight: torch.Tensor):
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACKING_BATCH_HINT)
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+
+    @staticmethod
+    def supports(weight: torch.Tensor) -> bool:
+        return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16
+                and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+class Linear(nn.Linear):
+    """`nn.Linear` whose matmul is done by a swappable kernel (the reference until `pack` is called)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__(in_features, out_features, bias=bias)
+        self.kernel = TorchLinearKernel()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernel(x, self.weight, self.bias)
+
+    def pack(self) -> None:
+        """Prepack the loaded weight for the CPU kernel; the original stays for tied embeddings."""
+        if OneDnnPackedLinearKernel.supports(self.weight):
+            self.kernel = OneDnnPackedLinearKernel(self.weight)
+
+
+def pack_linears(model: nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.pack()

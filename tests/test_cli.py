@@ -1,0 +1,53 @@
+"""The `tokenfleet` console script, run as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from gpu_worker.engine import LLM, SamplingParams
+
+
+def _tokenfleet(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "services.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def model_dir(make_checkpoint):
+    return str(make_checkpoint("llama"))
+
+
+def test_generate_prints_the_greedy_completion(model_dir):
+    expected = LLM(model_dir).generate("Hello world", SamplingParams(temperature=0.0, max_tokens=12))[0].text
+    proc = _tokenfleet("generate", "--model", model_dir, "--max-tokens", "12", "Hello world")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == expected + "\n"
+
+
+def test_generate_stream_prints_the_same_text(model_dir):
+    plain = _tokenfleet("generate", "--model", model_dir, "--max-tokens", "12", "Hello world")
+    streamed = _tokenfleet("generate", "--model", model_dir, "--max-tokens", "12", "--stream", "Hello world")
+    assert streamed.returncode == 0, streamed.stderr
+    assert streamed.stdout == plain.stdout
+
+
+def test_generate_rejects_bad_input_with_a_message(model_dir):
+    proc = _tokenfleet("generate", "--model", model_dir, "--max-tokens", "0", "Hello")
+    assert proc.returncode == 2
+    assert "max_tokens" in proc.stderr
+
+
+def test_bench_engine_writes_a_table_and_json(model_dir, tmp_path):
+    out = tmp_path / "bench.json"
+    proc = _tokenfleet("bench", "engine", "--model", model_dir, "--dtype", "fp32", "--num-requests", "4",
+                       "--repeats", "1", "--peer", "hf", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    figures = json.loads(out.read_text())
+    assert set(figures["batch1_tps"]) == {"tokenfleet", "hf-generate"}
+    assert set(figures["mixed_tps"]) == {"tokenfleet", "hf-generate (static 16)"}
+    assert all(v > 0 for v in figures["mixed_tps"].values())
+    assert "| mixed | hf-generate (static 16) |" in proc.stdout
