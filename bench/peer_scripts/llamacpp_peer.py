@@ -10,6 +10,9 @@ import tempfile
 import time
 from pathlib import Path
 
+# What the converter imports from the sdist's vendored llama.cpp besides itself.
+CONVERTER_DIRS = ("gguf-py/", "conversion/")
+
 
 def converter_dir(work_dir: Path, version: str) -> Path:
     src = work_dir / f"llama.cpp-{version}"
@@ -22,7 +25,7 @@ def converter_dir(work_dir: Path, version: str) -> Path:
         with tarfile.open(sdist) as tar:
             for member in tar.getmembers():
                 rel = member.name.split("/vendor/llama.cpp/", 1)
-                if len(rel) == 2 and (rel[1] == "convert_hf_to_gguf.py" or rel[1].startswith("gguf-py/")):
+                if len(rel) == 2 and (rel[1] == "convert_hf_to_gguf.py" or rel[1].startswith(CONVERTER_DIRS)):
                     member.name = rel[1]
                     tar.extract(member, src, filter="data")
     return src
@@ -35,9 +38,10 @@ sys.argv = ["convert_hf_to_gguf.py", {model!r}, "--outfile", {out!r}, "--outtype
 sys.path.insert(0, {src!r})
 import convert_hf_to_gguf as c
 # Our byte-level BPE uses GPT-2's pre-tokenizer; the converter only knows tokenizers by a hash.
-for cls in (getattr(c, "TextModel", None), getattr(c, "Model", None)):
-    if cls is not None and hasattr(cls, "get_vocab_base_pre"):
-        cls.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+for module in list(sys.modules.values()):
+    for cls in list(vars(module).values()) if module is not None else []:
+        if isinstance(cls, type) and "get_vocab_base_pre" in vars(cls):
+            cls.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
 c.main()
 """
 

@@ -1,8 +1,8 @@
 """Paged attention behind one small interface: write this step's K/V into the block cache, then attend.
 
-`TorchPagedAttention` is the reference (and the CPU path). The flattened batch holds decode tokens first
-(one query token each, attended as one padded batch), then prefill chunks (each attended on its own,
-causally, over its cached context plus the chunk).
+`TorchPagedAttention` is the reference (and the CPU path). The flattened batch holds decode tokens first,
+sorted by context length (one query token each, attended in groups of similar length), then prefill
+chunks (each attended on its own, causally, over its cached context plus the chunk).
 """
 
 from __future__ import annotations
@@ -32,19 +32,34 @@ class PrefillChunk:
 
 
 @dataclass
-class DecodeBatch:
-    """Sequences with one query token each, attended together over their contexts padded to the longest."""
+class DecodeGroup:
+    """Decode rows [start, end): one query token each, attended together over contexts padded to the longest."""
 
-    block_tables: torch.Tensor  # [num_decodes, max_blocks]
+    start: int
+    end: int
+    block_tables: torch.Tensor  # [rows, max_blocks]
     max_context: int
-    mask: torch.Tensor  # [num_decodes, 1, 1, max_context]
+    mask: torch.Tensor  # [rows, 1, 1, max_context]
 
     @classmethod
-    def build(cls, block_tables: torch.Tensor, context_lens: torch.Tensor) -> DecodeBatch:
-        max_context = int(context_lens.max())
-        positions = torch.arange(max_context, device=block_tables.device)
-        mask = (positions[None, :] < context_lens[:, None])[:, None, None, :]
-        return cls(block_tables, max_context, mask)
+    def build(cls, start: int, tables: list[list[int]], context_lens: list[int], device) -> DecodeGroup:
+        width = max(len(t) for t in tables)
+        padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=device)
+        lens = torch.tensor(context_lens, device=device)
+        max_context = max(context_lens)
+        mask = (torch.arange(max_context, device=device)[None, :] < lens[:, None])[:, None, None, :]
+        return cls(start, start + len(tables), padded, max_context, mask)
+
+
+def group_by_context(context_lens: list[int], growth: float = 1.5) -> list[range]:
+    """Split rows sorted by context length where it grows past `growth`x the group's shortest: padding
+    every decode to the batch's longest context would gather and attend mostly padding."""
+    groups, first = [], 0
+    for i in range(1, len(context_lens) + 1):
+        if i == len(context_lens) or context_lens[i] > growth * context_lens[first]:
+            groups.append(range(first, i))
+            first = i
+    return groups
 
 
 @dataclass
@@ -52,8 +67,7 @@ class AttentionMetadata:
     """Built once per step by the model runner, shared by every layer."""
 
     slot_mapping: torch.Tensor  # [num_tokens] cache slot of each new token
-    num_decode_tokens: int
-    decode: DecodeBatch | None
+    decodes: list[DecodeGroup]
     prefills: list[PrefillChunk]
 
 
@@ -80,19 +94,17 @@ class TorchPagedAttention:
         k_cache.view(num_slots, *k_cache.shape[2:]).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(num_slots, *v_cache.shape[2:]).index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)
-        d = meta.num_decode_tokens
-        if d:
-            out[:d] = self._decode(q[:d], k_cache, v_cache, meta)
+        for group in meta.decodes:
+            out[group.start:group.end] = self._decode(q[group.start:group.end], k_cache, v_cache, group)
         for chunk in meta.prefills:
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
             out[rows] = self._prefill(q[rows], k[rows], v[rows], k_cache, v_cache, chunk)
         return out
 
-    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-        batch = meta.decode
-        keys = _gather(k_cache, batch.block_tables, batch.max_context)  # [B, KVH, L, D]
-        values = _gather(v_cache, batch.block_tables, batch.max_context)
-        out = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=batch.mask,
+    def _decode(self, q, k_cache, v_cache, group: DecodeGroup) -> torch.Tensor:
+        keys = _gather(k_cache, group.block_tables, group.max_context)  # [B, KVH, L, D]
+        values = _gather(v_cache, group.block_tables, group.max_context)
+        out = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=group.mask,
                                              scale=self.scale, enable_gqa=True)
         return out[:, :, 0, :]
 

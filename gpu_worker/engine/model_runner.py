@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention import AttentionMetadata, DecodeBatch, PrefillChunk, allocate_kv_cache
+from .attention import AttentionMetadata, DecodeGroup, PrefillChunk, allocate_kv_cache, group_by_context
 from .model import Transformer
 from .sampler import SampledToken, Sampler, SamplingBatch, position_uniform
 from .scheduler import ScheduledChunk, SchedulerOutput
@@ -22,8 +22,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[int, SampledToken]:
-        # Decode tokens first: they are attended as one padded batch, prefill chunks one by one.
-        chunks = sorted(out.chunks, key=lambda c: c.num_tokens != 1)
+        # Decode tokens first, shortest context first: attended in groups; then prefill chunks one by one.
+        chunks = sorted(out.chunks, key=lambda c: (c.num_tokens != 1, c.start))
         input_ids, positions, meta = self._prepare(chunks)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         sample_rows, sampled_chunks, row = [], [], 0
@@ -48,12 +48,11 @@ class ModelRunner:
             pos.extend(range(c.start, c.start + c.num_tokens))
         slots = [c.block_table[p // bs] * bs + p % bs for c in chunks for p in range(c.start, c.start + c.num_tokens)]
         dev = self.device
-        meta = AttentionMetadata(torch.tensor(slots, dtype=torch.long, device=dev), len(decodes), None, [])
-        if decodes:
-            width = max(len(c.block_table) for c in decodes)
-            tables = [c.block_table + [0] * (width - len(c.block_table)) for c in decodes]
-            meta.decode = DecodeBatch.build(torch.tensor(tables, dtype=torch.long, device=dev),
-                                            torch.tensor([c.start + 1 for c in decodes], device=dev))
+        meta = AttentionMetadata(torch.tensor(slots, dtype=torch.long, device=dev), [], [])
+        context_lens = [c.start + 1 for c in decodes]
+        for rows in group_by_context(context_lens):
+            meta.decodes.append(DecodeGroup.build(rows.start, [decodes[i].block_table for i in rows],
+                                                  context_lens[rows.start:rows.stop], dev))
         start = len(decodes)
         for c in chunks[len(decodes):]:
             ctx = c.start + c.num_tokens
