@@ -2,19 +2,17 @@
 
 On CPU, bf16 `F.linear` re-lays out its weight for oneDNN on every call; packing it once at load time
 (the layout inductor's CPU freezing uses) runs the same math 1.3-1.9x faster here. For a single row
-(batch-1 decode, memory-bound) our AVX512-BF16 loop in `kernels/cpu_gemv_bf16.cpp` reads weights ~1.5x
+(batch-1 decode, memory-bound) our AVX512-BF16 loop in `kernels/cpu_kernels.cpp` reads weights ~1.5x
 faster still. The reference stays the default everywhere else and is what exactness tests compare against.
 """
 
 from __future__ import annotations
 
-import functools
-import logging
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .kernels import cpu_kernels
 
 # The row count oneDNN tunes the packed layout for; it serves every row count correctly.
 PACKING_BATCH_HINT = 128
@@ -28,7 +26,7 @@ class TorchLinearKernel:
 class OneDnnPackedLinearKernel:
     def __init__(self, weight: torch.Tensor):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACKING_BATCH_HINT)
-        self.gemv = cpu_gemv_extension() if weight.shape[1] % 32 == 0 else None
+        self.gemv = cpu_kernels() if weight.shape[1] % 32 == 0 else None
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.gemv is not None and x.shape[0] == 1 and bias is None:
@@ -39,33 +37,6 @@ class OneDnnPackedLinearKernel:
     def supports(weight: torch.Tensor) -> bool:
         return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16
                 and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
-
-
-def _cpu_has_avx512_bf16() -> bool:
-    try:
-        return "avx512_bf16" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-
-
-@functools.cache
-def cpu_gemv_extension():
-    """Builds (once, cached on disk by torch) the batch-1 kernel; None where it cannot run or build."""
-    if not _cpu_has_avx512_bf16():
-        return None
-    from torch.utils.cpp_extension import load
-
-    from .builtin_models import cache_dir
-
-    build = cache_dir() / "kernels" / f"torch-{torch.__version__}"
-    build.mkdir(parents=True, exist_ok=True)
-    source = Path(__file__).parent / "kernels" / "cpu_gemv_bf16.cpp"
-    try:
-        return load(name="tokenfleet_cpu_gemv_bf16", sources=[str(source)], build_directory=str(build),
-                    extra_cflags=["-O3", "-mavx512f", "-mavx512bf16", "-fopenmp"], extra_ldflags=["-fopenmp"])
-    except Exception as exc:  # no compiler or ninja: the oneDNN kernel serves batch 1 too, just slower
-        logging.getLogger(__name__).warning("CPU bf16 GEMV kernel unavailable (%s); using oneDNN", exc)
-        return None
 
 
 class Linear(nn.Linear):

@@ -126,6 +126,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
         if out.is_empty:
+            if self.scheduler.waiting and not self.scheduler.running:
+                raise RuntimeError("no waiting request fits the free KV blocks and none is running")
             return []
         started = time.perf_counter()
         sampled = self.runner.execute(out)

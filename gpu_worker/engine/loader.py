@@ -8,7 +8,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from .attention import CpuPagedAttention
 from .errors import ModelLoadError
+from .kernels import cpu_kernels
 from .linear import pack_linears
 from .model import Transformer
 from .model_config import ModelConfig
@@ -71,8 +73,17 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, devi
                              + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
     # Built after the dtype cast: frequencies stay float32, as in HF.
     model.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)
-    pack_linears(model)
+    use_cpu_kernels(model, dtype, device)
     return model.eval()
+
+
+def use_cpu_kernels(model: Transformer, dtype: torch.dtype, device: torch.device) -> None:
+    """bf16 on CPU: prepacked / native linear kernels and paged decode attention from the cache."""
+    pack_linears(model)
+    kernels = cpu_kernels() if device.type == "cpu" and dtype == torch.bfloat16 else None
+    if CpuPagedAttention.supports(kernels, dtype, device, model.config.head_dim):
+        for layer in model.layers:
+            layer.self_attn.attn = CpuPagedAttention(layer.self_attn.attn.scale, kernels)
 
 
 def _copy(tensor: torch.Tensor, hf_name: str, params: dict, loaded_rows: dict, cfg: ModelConfig) -> None:

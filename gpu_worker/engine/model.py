@@ -7,13 +7,13 @@ Inputs are flattened: all tokens of all scheduled sequences in one [T] vector wi
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from . import ops
 from .attention import AttentionMetadata, TorchPagedAttention
 from .linear import Linear
 from .model_config import ModelConfig
-from .rope import RotaryEmbedding, apply_rotary
+from .rope import RotaryEmbedding
 
 
 class RMSNorm(nn.Module):
@@ -23,8 +23,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # HF's rounding: normalize in float32, round to the model dtype, then scale.
-        return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
+        return ops.rms_norm(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -39,11 +38,12 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)
-        qk_size = self.q_size + self.kv_size
         # q and k heads are adjacent columns: rotate them in one pass.
-        qk = apply_rotary(qkv[:, :qk_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        v = qkv[:, qk_size:].view(-1, self.num_kv_heads, self.head_dim)
+        ops.rotary_(qkv, cos, sin, self.num_heads + self.num_kv_heads, self.head_dim)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
         out = self.attn(q, k, v, kv_cache, meta)
         return self.o_proj(out.reshape(-1, self.q_size))
 
@@ -55,8 +55,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -92,4 +91,5 @@ class Transformer(nn.Module):
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        """In the model's dtype: the sampler upcasts only when it needs more than an argmax."""
+        return self.lm_head(hidden)

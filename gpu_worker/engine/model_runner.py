@@ -48,11 +48,16 @@ class ModelRunner:
             pos.extend(range(c.start, c.start + c.num_tokens))
         slots = [c.block_table[p // bs] * bs + p % bs for c in chunks for p in range(c.start, c.start + c.num_tokens)]
         dev = self.device
-        meta = AttentionMetadata(torch.tensor(slots, dtype=torch.long, device=dev), [], [])
-        context_lens = [c.start + 1 for c in decodes]
-        for rows in group_by_context(context_lens):
-            meta.decodes.append(DecodeGroup.build(rows.start, [decodes[i].block_table for i in rows],
-                                                  context_lens[rows.start:rows.stop], dev))
+        meta = AttentionMetadata(torch.tensor(slots, dtype=torch.long, device=dev), len(decodes), None, None, [], [])
+        if decodes:
+            context_lens = [c.start + 1 for c in decodes]
+            width = max(len(c.block_table) for c in decodes)
+            meta.decode_block_tables = torch.tensor([c.block_table + [0] * (width - len(c.block_table))
+                                                     for c in decodes], dtype=torch.long, device=dev)
+            meta.decode_context_lens = torch.tensor(context_lens, dtype=torch.long, device=dev)
+            for rows in group_by_context(context_lens):
+                meta.decode_groups.append(DecodeGroup.build(rows.start, [decodes[i].block_table for i in rows],
+                                                            context_lens[rows.start:rows.stop], dev))
         start = len(decodes)
         for c in chunks[len(decodes):]:
             ctx = c.start + c.num_tokens

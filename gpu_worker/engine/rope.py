@@ -42,7 +42,7 @@ class RotaryEmbedding(torch.nn.Module):
         # Computed in float32 per step, as HF does, so that bf16 rounding matches the reference.
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+        return emb.cos().to(dtype), emb.sin().to(dtype)  # [T, head_dim]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import ops
 from .sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -43,6 +44,9 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> list[SampledToken]:
         params = batch.params
         num_logprobs = [p.logprobs for p in params]
+        if all(p.greedy and not p.has_penalties and n is None for p, n in zip(params, num_logprobs, strict=True)):
+            return [SampledToken(t, None) for t in ops.argmax(logits).tolist()]
+        logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(n is not None for n in num_logprobs) else None
         if any(p.has_penalties for p in params):
             logits = apply_penalties(logits, batch)

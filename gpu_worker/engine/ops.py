@@ -1,0 +1,60 @@
+"""Element-wise model ops with a torch reference each, and the native CPU kernel where it applies.
+
+bf16 element-wise ops in torch on CPU run several times slower than their fp32 math needs; the kernels in
+`kernels/cpu_kernels.cpp` do the same math with the same bf16 rounding, in one pass.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .kernels import cpu_kernels
+from .rope import apply_rotary
+
+
+def _native(x: torch.Tensor, width: int):
+    if x.dtype != torch.bfloat16 or x.device.type != "cpu" or width % 32 or not x.is_contiguous():
+        return None
+    return cpu_kernels()
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # HF's rounding: normalize in float32, round to the model dtype, then scale.
+    return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    native = _native(x, x.shape[-1])
+    return native.rms_norm_bf16(x, weight, eps) if native else rms_norm_reference(x, weight, eps)
+
+
+def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] = [gate | up] -> silu(gate) * up."""
+    native = _native(x, x.shape[-1])
+    return native.silu_and_mul_bf16(x) if native else silu_and_mul_reference(x)
+
+
+def rotary_reference_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, head_dim: int) -> None:
+    qk = qkv[:, : heads * head_dim].view(-1, heads, head_dim)
+    qk.copy_(apply_rotary(qk, cos[:, None, :], sin[:, None, :]))
+
+
+def rotary_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, head_dim: int) -> None:
+    """Rotate, in place, the first `heads` heads of each [T, W] row: q and k heads sit side by side."""
+    native = _native(qkv, head_dim)
+    if native:
+        native.rotary_inplace_bf16(qkv, cos, sin, heads, head_dim)
+    else:
+        rotary_reference_(qkv, cos, sin, heads, head_dim)
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Row-wise argmax, first index on ties; exact on model-dtype logits (upcasting changes no order)."""
+    native = _native(logits, 32)
+    return native.argmax_bf16(logits) if native else logits.argmax(dim=-1)

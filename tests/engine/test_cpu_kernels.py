@@ -1,0 +1,124 @@
+"""Each CPU kernel agrees with its torch reference on the same bf16 data."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gpu_worker.engine.attention import AttentionMetadata, CpuPagedAttention, DecodeGroup, TorchPagedAttention
+from gpu_worker.engine.kernels import cpu_has_avx512_bf16, cpu_kernels
+from gpu_worker.engine.linear import Linear, OneDnnPackedLinearKernel
+
+needs_avx512_bf16 = pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="the native kernels need AVX512-BF16")
+
+
+def _assert_close_in_bf16(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.dtype == torch.bfloat16
+    # bf16 keeps 8 bits of mantissa: outputs may differ from an fp32 reference by its rounding, no more.
+    assert ((got.float() - want.float()).abs() <= 1e-2 * want.float().abs() + 1e-2 * want.float().abs().max()).all()
+
+
+@needs_avx512_bf16
+def test_native_kernels_build_on_this_cpu():
+    assert cpu_kernels() is not None, "gpu_worker/engine/kernels/cpu_kernels.cpp failed to build"
+
+
+@needs_avx512_bf16
+def test_batch1_gemv_matches_the_reference():
+    torch.manual_seed(0)
+    for n, k in [(1280, 768), (7, 64), (32000, 256)]:
+        w = torch.randn(n, k, dtype=torch.bfloat16)
+        x = torch.randn(1, k, dtype=torch.bfloat16)
+        _assert_close_in_bf16(cpu_kernels().gemv_bf16(x, w), F.linear(x.float(), w.float()))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 64])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_the_reference_for_any_row_count(rows, bias):
+    torch.manual_seed(rows)
+    layer = Linear(256, 96, bias=bias).to(torch.bfloat16)
+    layer.pack()
+    assert isinstance(layer.kernel, OneDnnPackedLinearKernel)
+    x = torch.randn(rows, 256, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        want = F.linear(x.float(), layer.weight.float(), None if layer.bias is None else layer.bias.float())
+        _assert_close_in_bf16(layer(x), want)
+
+
+def test_float32_layers_keep_the_reference_kernel():
+    layer = Linear(64, 32)
+    layer.pack()
+    assert not isinstance(layer.kernel, OneDnnPackedLinearKernel)
+
+
+def _decode_metadata(context_lens: list[int], num_blocks: int, block_size: int) -> AttentionMetadata:
+    gen = torch.Generator().manual_seed(len(context_lens))
+    blocks = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = []
+    for length in context_lens:
+        need = -(-length // block_size)
+        tables.append(blocks[:need])
+        blocks = blocks[need:]
+    width = max(len(t) for t in tables)
+    groups = [DecodeGroup.build(0, tables, context_lens, "cpu")]
+    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    return AttentionMetadata(torch.empty(0, dtype=torch.long), len(context_lens), padded,
+                             torch.tensor(context_lens), groups, [])
+
+
+@needs_avx512_bf16
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(12, 4, 64), (8, 8, 32), (16, 2, 128)])
+def test_paged_decode_attention_matches_the_reference(heads, kv_heads, head_dim):
+    torch.manual_seed(heads)
+    block_size, num_blocks = 16, 200
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    context_lens = [1, 17, 300, 64, 5, 129]
+    q = torch.randn(len(context_lens), heads, head_dim, dtype=torch.bfloat16)
+    meta = _decode_metadata(context_lens, num_blocks, block_size)
+    scale = head_dim**-0.5
+    want = TorchPagedAttention(scale).decode(q, k_cache, v_cache, meta)
+    got = CpuPagedAttention(scale, cpu_kernels()).decode(q, k_cache, v_cache, meta)
+    _assert_close_in_bf16(got, want)
+
+
+@needs_avx512_bf16
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_native_rms_norm_and_silu_and_mul_match_their_references(rows):
+    from gpu_worker.engine import ops
+
+    torch.manual_seed(rows)
+    x = torch.randn(rows, 256, dtype=torch.bfloat16) * 3
+    weight = torch.randn(256, dtype=torch.bfloat16)
+    _assert_close_in_bf16(cpu_kernels().rms_norm_bf16(x, weight, 1e-5), ops.rms_norm_reference(x, weight, 1e-5))
+    _assert_close_in_bf16(cpu_kernels().silu_and_mul_bf16(x), ops.silu_and_mul_reference(x))
+
+
+@needs_avx512_bf16
+def test_native_argmax_takes_the_first_maximum_like_torch():
+    torch.manual_seed(3)
+    logits = torch.randn(9, 1001, dtype=torch.float32).to(torch.bfloat16)
+    logits[0, 5] = logits[0, 700] = 99.0  # a tie: the first index wins
+    logits[1, -1] = 99.0  # a maximum in the tail past the last full vector
+    got = cpu_kernels().argmax_bf16(logits)
+    assert got.tolist() == logits.argmax(dim=-1).tolist()
+    assert got[0] == 5 and got[1] == 1000
+
+
+@needs_avx512_bf16
+def test_native_rotary_matches_the_reference_in_place():
+    from gpu_worker.engine import ops
+    from gpu_worker.engine.rope import RotaryEmbedding
+
+    torch.manual_seed(4)
+    heads, head_dim, width = 5, 64, 5 * 64 + 2 * 64  # 5 rotated heads, then 2 that stay (v)
+    qkv = torch.randn(37, width, dtype=torch.bfloat16)
+    cos, sin = RotaryEmbedding(head_dim, 10000.0, {}).cos_sin(torch.arange(37) * 7, torch.bfloat16)
+    want = qkv.clone()
+    ops.rotary_reference_(want, cos, sin, heads, head_dim)
+    got = qkv.clone()
+    cpu_kernels().rotary_inplace_bf16(got, cos, sin, heads, head_dim)
+    assert torch.equal(got[:, heads * head_dim:], qkv[:, heads * head_dim:])
+    assert (got != want).float().mean() < 1e-3  # the same rounding steps: equal but for rare ties
+    _assert_close_in_bf16(got, want)
