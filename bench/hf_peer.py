@@ -59,10 +59,15 @@ def continuous_batching_tps(model, work: Workload) -> float:
         started = time.perf_counter()
         ids = [manager.add_request(p, max_new_tokens=n) for p, n in zip(work.prompts, work.output_lens,
                                                                          strict=True)]
-        produced = 0
-        for request_id in ids:
-            result = manager.get_result(request_id=request_id, timeout=600)
-            produced += len(result.generated_tokens) if result is not None else 0
+        # Results come back in completion order; asking for one id can skip (and lose) the others.
+        pending, produced = set(ids), 0
+        while pending:
+            result = manager.get_result(timeout=600)
+            if result is None:
+                raise TimeoutError(f"{len(pending)} requests unfinished after 600 s")
+            if result.request_id in pending:
+                pending.discard(result.request_id)
+                produced += len(result.generated_tokens)
         elapsed = time.perf_counter() - started
     finally:
         manager.stop(block=True)
