@@ -68,7 +68,8 @@ def group_by_context(context_lens: list[int], growth: float = 1.5) -> list[range
 class AttentionMetadata:
     """Built once per step by the model runner, shared by every layer."""
 
-    slot_mapping: torch.Tensor  # [num_tokens] cache slot of each new token
+    slot_blocks: torch.Tensor  # [num_tokens] block of each new token's KV
+    slot_offsets: torch.Tensor  # [num_tokens] its row in that block
     num_decodes: int
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks], zero-padded
     decode_context_lens: torch.Tensor | None  # [num_decodes]
@@ -78,7 +79,8 @@ class AttentionMetadata:
 
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                       dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
-    shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
+    # Head-major within a block: one head's rows of a block are contiguous, so a decode kernel streams them.
+    shape = (2, num_blocks, num_kv_heads, block_size, head_dim)
     if device.type == "cpu":
         return [_huge_page_zeros(shape, dtype) for _ in range(num_layers)]
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -113,11 +115,10 @@ class TorchPagedAttention:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:
-        """q: [T, H, D]; k, v: [T, KVH, D]; kv_cache: [2, blocks, block_size, KVH, D]. Returns [T, H, D]."""
+        """q: [T, H, D]; k, v: [T, KVH, D]; kv_cache: [2, blocks, KVH, block_size, D]. Returns [T, H, D]."""
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        num_slots = k_cache.shape[0] * k_cache.shape[1]
-        k_cache.view(num_slots, *k_cache.shape[2:]).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(num_slots, *v_cache.shape[2:]).index_copy_(0, meta.slot_mapping, v)
+        k_cache[meta.slot_blocks, :, meta.slot_offsets] = k
+        v_cache[meta.slot_blocks, :, meta.slot_offsets] = v
         out = torch.empty_like(q)
         if meta.num_decodes:
             out[:meta.num_decodes] = self.decode(q[:meta.num_decodes], k_cache, v_cache, meta)
@@ -168,8 +169,8 @@ class CpuPagedAttention(TorchPagedAttention):
 
 
 def _gather(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
-    """[blocks, block_size, KVH, D] cache, [B, nb] tables -> [B, KVH, length, D]."""
-    batch = block_tables.shape[0]
-    blocks = cache.index_select(0, block_tables.flatten())  # [B * nb, block_size, KVH, D]
-    flat = blocks.view(batch, -1, *cache.shape[2:])[:, :length]
-    return flat.transpose(1, 2)
+    """[blocks, KVH, block_size, D] cache, [B, nb] tables -> [B, KVH, length, D]."""
+    batch, num_blocks = block_tables.shape
+    _, heads, block_size, dim = cache.shape
+    blocks = cache.index_select(0, block_tables.flatten()).view(batch, num_blocks, heads, block_size, dim)
+    return blocks.transpose(1, 2).reshape(batch, heads, num_blocks * block_size, dim)[:, :, :length]

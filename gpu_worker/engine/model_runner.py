@@ -46,9 +46,11 @@ class ModelRunner:
         for c in chunks:
             ids.extend(c.seq.token_ids[c.start:c.start + c.num_tokens])
             pos.extend(range(c.start, c.start + c.num_tokens))
-        slots = [c.block_table[p // bs] * bs + p % bs for c in chunks for p in range(c.start, c.start + c.num_tokens)]
+        blocks = [c.block_table[p // bs] for c in chunks for p in range(c.start, c.start + c.num_tokens)]
         dev = self.device
-        meta = AttentionMetadata(torch.tensor(slots, dtype=torch.long, device=dev), len(decodes), None, None, [], [])
+        as_long = {"dtype": torch.long, "device": dev}
+        positions = torch.tensor(pos, **as_long)
+        meta = AttentionMetadata(torch.tensor(blocks, **as_long), positions % bs, len(decodes), None, None, [], [])
         if decodes:
             context_lens = [c.start + 1 for c in decodes]
             width = max(len(c.block_table) for c in decodes)
@@ -64,8 +66,7 @@ class ModelRunner:
             table = torch.tensor(c.block_table[: -(-ctx // bs)], dtype=torch.long, device=dev)
             meta.prefills.append(PrefillChunk.build(start, c.num_tokens, ctx, table))
             start += c.num_tokens
-        as_long = {"dtype": torch.long, "device": dev}
-        return torch.tensor(ids, **as_long), torch.tensor(pos, **as_long), meta
+        return torch.tensor(ids, **as_long), positions, meta
 
 
 def _sampling_batch(chunks: list[ScheduledChunk]) -> SamplingBatch:

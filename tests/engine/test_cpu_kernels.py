@@ -63,7 +63,8 @@ def _decode_metadata(context_lens: list[int], num_blocks: int, block_size: int) 
     width = max(len(t) for t in tables)
     groups = [DecodeGroup.build(0, tables, context_lens, "cpu")]
     padded = torch.tensor([t + [0] * (width - len(t)) for t in tables])
-    return AttentionMetadata(torch.empty(0, dtype=torch.long), len(context_lens), padded,
+    no_tokens = torch.empty(0, dtype=torch.long)
+    return AttentionMetadata(no_tokens, no_tokens, len(context_lens), padded,
                              torch.tensor(context_lens), groups, [])
 
 
@@ -72,7 +73,7 @@ def _decode_metadata(context_lens: list[int], num_blocks: int, block_size: int) 
 def test_paged_decode_attention_matches_the_reference(heads, kv_heads, head_dim):
     torch.manual_seed(heads)
     block_size, num_blocks = 16, 200
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, dtype=torch.bfloat16)
+    k_cache = torch.randn(num_blocks, kv_heads, block_size, head_dim, dtype=torch.bfloat16)
     v_cache = torch.randn_like(k_cache)
     context_lens = [1, 17, 300, 64, 5, 129]
     q = torch.randn(len(context_lens), heads, head_dim, dtype=torch.bfloat16)

@@ -100,13 +100,13 @@ constexpr int64_t kPrefetchAhead = 16;
 // KVH key/value heads. For each (sequence, KV head) it reads that head's keys and values block by block
 // through the block table, once for all query heads of its group, with an exact (two-pass) softmax in
 // fp32. The torch path first gathers every context into a padded copy, then attends over the copy.
-// q: [B, H, D]; caches: [blocks, block_size, KVH, D]; block_tables: [B, max_blocks]; context_lens: [B].
+// q: [B, H, D]; caches: [blocks, KVH, block_size, D]; block_tables: [B, max_blocks]; context_lens: [B].
 torch::Tensor paged_decode_attention_bf16(const torch::Tensor& q, const torch::Tensor& k_cache,
                                           const torch::Tensor& v_cache, const torch::Tensor& block_tables,
                                           const torch::Tensor& context_lens, double scale) {
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous inputs");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t block_size = k_cache.size(1), KVH = k_cache.size(2), G = H / KVH;
+  const int64_t KVH = k_cache.size(1), block_size = k_cache.size(2), G = H / KVH;
   TORCH_CHECK(D % 32 == 0 && H % KVH == 0, "head_dim % 32 == 0 and whole query groups");
   auto tables = block_tables.to(torch::kInt64).contiguous();
   auto lens = context_lens.to(torch::kInt64).contiguous();
@@ -117,7 +117,7 @@ torch::Tensor paged_decode_attention_bf16(const torch::Tensor& q, const torch::T
   auto* op = static_cast<uint16_t*>(out.data_ptr());
   const int64_t* tp = tables.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
-  const int64_t max_blocks = tables.size(1), token_stride = KVH * D, D16 = D / 16;
+  const int64_t max_blocks = tables.size(1);
 #pragma omp parallel
   {
     std::vector<float> scores, acc;
@@ -127,13 +127,15 @@ torch::Tensor paged_decode_attention_bf16(const torch::Tensor& q, const torch::T
       scores.resize(G * L);
       acc.resize(G * D);
       const uint16_t* qb = qp + (b * H + kvh * G) * D;
+      // Offset of token t's row for this KV head: a block holds each head's block_size rows contiguously.
+      const auto row = [&](int64_t t) {
+        return ((tp[b * max_blocks + t / block_size] * KVH + kvh) * block_size + t % block_size) * D;
+      };
       for (int64_t t = 0; t < L; t++) {
-        const int64_t slot = tp[b * max_blocks + t / block_size] * block_size + t % block_size;
-        const uint16_t* key = kp + slot * token_stride + kvh * D;
+        const uint16_t* key = kp + row(t);
         if (t + kPrefetchAhead < L) {  // blocks are scattered: fetch ahead of the hardware prefetcher
-          const int64_t ahead = tp[b * max_blocks + (t + kPrefetchAhead) / block_size] * block_size + (t + kPrefetchAhead) % block_size;
-          _mm_prefetch(reinterpret_cast<const char*>(kp + ahead * token_stride + kvh * D), _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(kp + ahead * token_stride + kvh * D + 32), _MM_HINT_T0);
+          const uint16_t* ahead = kp + row(t + kPrefetchAhead);
+          for (int64_t d = 0; d < D; d += 32) _mm_prefetch(reinterpret_cast<const char*>(ahead + d), _MM_HINT_T0);
         }
         for (int64_t g = 0; g < G; g++) {
           __m512 dot = _mm512_setzero_ps();
@@ -153,12 +155,10 @@ torch::Tensor paged_decode_attention_bf16(const torch::Tensor& q, const torch::T
           for (int64_t g = 0; g < 4; g++)
             for (int64_t c = 0; c < 4; c++) a[g][c] = _mm512_setzero_ps();
           for (int64_t t = 0; t < L; t++) {
-            const int64_t slot = tp[b * max_blocks + t / block_size] * block_size + t % block_size;
-            const uint16_t* value = vp + slot * token_stride + kvh * D + d0;
+            const uint16_t* value = vp + row(t) + d0;
             if (t + kPrefetchAhead < L) {
-              const int64_t ahead = tp[b * max_blocks + (t + kPrefetchAhead) / block_size] * block_size + (t + kPrefetchAhead) % block_size;
-              _mm_prefetch(reinterpret_cast<const char*>(vp + ahead * token_stride + kvh * D + d0), _MM_HINT_T0);
-              _mm_prefetch(reinterpret_cast<const char*>(vp + ahead * token_stride + kvh * D + d0 + 32), _MM_HINT_T0);
+              const uint16_t* ahead = vp + row(t + kPrefetchAhead) + d0;
+              for (int64_t d = 0; d < 16 * cn; d += 32) _mm_prefetch(reinterpret_cast<const char*>(ahead + d), _MM_HINT_T0);
             }
             __m512 v[4];
             for (int64_t c = 0; c < cn; c++) v[c] = load_bf16x16(value + 16 * c);
