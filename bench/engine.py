@@ -60,7 +60,7 @@ def ours_batch1_tps(llm, work: Workload) -> float:
     while engine.has_unfinished_requests():
         if engine.step() and first is None:
             first = time.perf_counter()
-    return (work.output_lens[0] - 1) / (time.perf_counter() - first)
+    return (work.output_lens[0] - 1) / (time.perf_counter() - first) if work.output_lens[0] > 1 else 0.0
 
 
 def ours_mixed(llm, work: Workload) -> dict:
@@ -137,7 +137,7 @@ def format_table(r: dict) -> str:
     for key, label in (("batch1_tps", "batch 1 decode"), ("mixed_tps", "mixed")):
         ours = r[key].get("tokenfleet")
         for name, tps in r[key].items():
-            ratio = "—" if name == "tokenfleet" or not ours else f"{ours / tps:.2f}×"
+            ratio = "—" if name == "tokenfleet" or not ours or not tps else f"{ours / tps:.2f}×"
             lines.append(f"| {label} | {name} | {tps:.1f} | {ratio} |")
     if r["batch1_tps"].get("tokenfleet"):
         lines.append(f"\nbatch-1 fraction of roofline: {r['batch1_tps']['tokenfleet'] / r['roofline_tps']:.0%}")

@@ -66,8 +66,8 @@ def run(name: str, model_dir: Path, args, b1: Workload, mix: Workload, result: d
                                   capture_output=True, text=True, timeout=3600)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_MARKER)]
         if proc.returncode != 0 or not lines:
-            tail = (proc.stderr or proc.stdout).strip().splitlines()
-            raise RuntimeError(f"exit {proc.returncode}: {tail[-1] if tail else 'no output'}")
+            tail = [ln for ln in (proc.stderr or proc.stdout).splitlines() if ln.strip()][-5:]
+            raise RuntimeError(f"{name} peer exited {proc.returncode}: " + (" | ".join(tail) or "no output"))
         figures = json.loads(lines[-1].removeprefix(RESULT_MARKER))
     except Exception as exc:  # a peer's failure is reported in the table, not fatal to the benchmark
         result.setdefault("peer_errors", {})[name] = f"{type(exc).__name__}: {exc}"

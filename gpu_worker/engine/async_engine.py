@@ -12,6 +12,7 @@ import contextlib
 from collections.abc import AsyncIterator
 
 from .config import EngineConfig
+from .errors import InvalidRequestError
 from .llm_engine import LLMEngine
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
@@ -25,6 +26,7 @@ class AsyncLLMEngine:
         self._aborts: list[str] = []
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
+        self._step_in_flight: asyncio.Future | None = None
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncLLMEngine:
@@ -33,6 +35,8 @@ class AsyncLLMEngine:
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Yields `RequestOutput` deltas until the request finishes; leaving early aborts it."""
+        if request_id in self._streams:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         self.engine.encode_prompt(prompt)  # bad input raises here, before anything is queued
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[request_id] = queue
@@ -65,7 +69,7 @@ class AsyncLLMEngine:
         for request_id, prompt, params, priority in pending:
             try:
                 self.engine.add_request(request_id, prompt, params, priority)
-            except ValueError as exc:
+            except Exception as exc:  # the caller gets its error; the loop serves the others
                 self._deliver(request_id, exc)
         aborts, self._aborts = self._aborts, []
         for request_id in aborts:
@@ -84,7 +88,9 @@ class AsyncLLMEngine:
                 await self._wake.wait()
                 continue
             try:
-                outputs = await asyncio.to_thread(self.engine.step)
+                # Shielded: cancelling the loop must not abandon a step that is still running in its thread.
+                self._step_in_flight = asyncio.ensure_future(asyncio.to_thread(self.engine.step))
+                outputs = await asyncio.shield(self._step_in_flight)
             except Exception as exc:  # a broken step fails its requests, not the loop
                 for request_id in list(self.engine.requests):
                     self._deliver(request_id, exc)
@@ -94,7 +100,14 @@ class AsyncLLMEngine:
                 self._deliver(output.request_id, output)
 
     async def shutdown(self) -> None:
+        """Stops the loop after any step in flight, failing the streams still open."""
         if self._loop_task is not None:
             self._loop_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._loop_task
+        if self._step_in_flight is not None:
+            with contextlib.suppress(Exception):
+                await self._step_in_flight
+        for request_id in list(self._streams):
+            self._deliver(request_id, RuntimeError("engine shut down"))
+            self.engine.abort_request(request_id)

@@ -11,15 +11,17 @@ from .tokenizer import Tokenizer
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Tokenizer, stop: list[str]):
+    def __init__(self, tokenizer: Tokenizer, stop: list[str], prompt_tail: list[int] | None = None):
+        """`prompt_tail`: the prompt's last few tokens, decoded as context only, so that tokenizers which
+        drop a leading space at the start of a decode (SentencePiece) keep the first token's space."""
         self.tokenizer = tokenizer
         self.stop = stop
         self.holdback = max((len(s) for s in stop), default=1) - 1
-        self.token_ids: list[int] = []
+        self.token_ids: list[int] = list(prompt_tail or [])
         self.text = ""
         self.emitted = 0
         self._prefix_offset = 0
-        self._read_offset = 0
+        self._read_offset = len(self.token_ids)
 
     def add_token(self, token_id: int) -> str | None:
         """Append one token; returns the stop string it completed, if any (the text is cut before it)."""

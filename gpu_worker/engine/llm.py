@@ -45,6 +45,15 @@ class LLM:
             order[request_id] = i
             self.engine.add_request(request_id, prompt, p)
         results: list[RequestOutput | None] = [None] * len(prompts)
+        try:
+            self._run(order, all_params, results)
+        except BaseException:
+            for request_id in order:  # a failed step must not leave these holding KV blocks
+                self.engine.abort_request(request_id)
+            raise
+        return results
+
+    def _run(self, order: dict[str, int], all_params: list[SamplingParams], results: list) -> None:
         while self.engine.has_unfinished_requests():
             for delta in self.engine.step():
                 i = order.get(delta.request_id)
@@ -57,4 +66,3 @@ class LLM:
                 for completion in delta.outputs:
                     total.outputs[completion.index].extend(completion)
                 total.finished = delta.finished
-        return results

@@ -24,6 +24,9 @@ from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from .sequence import Sequence
 from .tokenizer import Tokenizer
 
+# Prompt tokens the detokenizer decodes as context before the first output token (vLLM uses 5).
+DETOKENIZER_CONTEXT = 5
+
 
 @dataclass
 class RequestState:
@@ -67,9 +70,13 @@ class LLMEngine:
                                              cfg.head_dim, self.dtype)
         budget = self.config.kv_cache_memory_bytes
         if budget is None and self.device.type == "cuda":
+            torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(self.device)
             budget = int(free - total * (1 - self.config.gpu_memory_utilization))
-        num_blocks = (budget or DEFAULT_CPU_KV_CACHE_BYTES) // per_block
+            if budget <= 0:
+                raise ValueError(f"gpu_memory_utilization {self.config.gpu_memory_utilization} leaves no memory "
+                                 "for the KV cache after the weights: raise it or set kv_cache_memory_bytes")
+        num_blocks = (DEFAULT_CPU_KV_CACHE_BYTES if budget is None else budget) // per_block
         if num_blocks * self.config.block_size < self.max_model_len:
             raise ValueError(
                 f"KV cache of {num_blocks} blocks holds {num_blocks * self.config.block_size} tokens, less than "
@@ -100,7 +107,8 @@ class LLMEngine:
         seqs = [self._new_sequence(request_id, i, prompt_ids, params, priority) for i in range(params.n)]
         seqs[0].forks_pending = seqs[1:]
         self.requests[request_id] = RequestState(
-            request_id, prompt_ids, seqs, [IncrementalDetokenizer(self.tokenizer, params.stop) for _ in seqs],
+            request_id, prompt_ids, seqs,
+            [IncrementalDetokenizer(self.tokenizer, params.stop, prompt_ids[-DETOKENIZER_CONTEXT:]) for _ in seqs],
             arrival_time=time.perf_counter(),
         )
         self.scheduler.add(seqs[0])

@@ -57,7 +57,7 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, devi
     model_dir = Path(model_dir)
     with torch.device("meta"):
         model = Transformer(cfg)
-    model = model.to_empty(device=device).to(dtype)
+    model = model.to(dtype).to_empty(device=device)  # cast on meta: no full-precision copy on the device
     params = dict(model.named_parameters())
     loaded_rows: dict[str, int] = {}
     for file in checkpoint_files(model_dir):

@@ -146,9 +146,16 @@ class Scheduler:
         self.release_finished()
 
     def _fork_pending(self, parent: Sequence) -> None:
+        """Forks join the running set, where preemption can reclaim their blocks; a fork left waiting with
+        shared blocks could hold them behind a request that does not fit. With no room to run, a sample
+        starts unshared, like any new request."""
         for child in parent.forks_pending:
-            child.num_computed_tokens = self.kv.fork(parent, child)
-            self.add(child)
+            if len(self.running) < self.config.max_num_seqs:
+                child.num_computed_tokens = self.kv.fork(parent, child)
+                child.status = SequenceStatus.RUNNING
+                self.running.append(child)
+            else:
+                self.add(child)
         parent.forks_pending.clear()
 
     def release_finished(self) -> None:

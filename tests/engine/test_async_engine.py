@@ -76,3 +76,19 @@ def test_bad_request_raises_to_its_caller_only(model_dir):
         return tokens
 
     assert len(asyncio.run(main())) <= 5
+
+
+def test_reusing_a_running_request_id_is_refused_and_the_first_stream_completes(model_dir):
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+    async def main():
+        engine = AsyncLLMEngine(LLMEngine(EngineConfig(model=model_dir, dtype="float32")))
+        first = asyncio.create_task(_collect(engine, "same", PROMPTS[0], params))
+        await asyncio.sleep(0)  # let the first stream register
+        with pytest.raises(InvalidRequestError, match="already in use"):
+            await _collect(engine, "same", PROMPTS[1], params)
+        tokens, _, _ = await asyncio.wait_for(first, timeout=60)
+        await engine.shutdown()
+        return tokens
+
+    assert len(asyncio.run(main())) == 6

@@ -131,9 +131,21 @@ def test_forked_sample_starts_after_the_shared_prompt_blocks():
     parent.forks_pending = [child]
     sched.add(parent)
     step(sched)
-    assert child in sched.waiting and child.num_computed_tokens == 8
+    assert child in sched.running and child.num_computed_tokens == 8
     assert sched.kv.block_table(child) == sched.kv.block_table(parent)[:2]
     assert scheduled(step(sched)) == [(1, 10, 1), (2, 8, 2)]
+
+
+def test_forks_never_hold_shared_blocks_behind_a_request_that_does_not_fit():
+    sched = make_scheduler(num_blocks=8, block_size=4)
+    parent, child = make_seq(1, 20, max_tokens=6), make_seq(2, 20, max_tokens=6)
+    parent.forks_pending = [child]
+    sched.add(parent)
+    step(sched)
+    sched.add(make_seq(3, 16, priority=-1, max_tokens=2))  # urgent, and too big while both samples run
+    while sched.has_unfinished:
+        assert not step(sched).is_empty, "no progress: blocks held by sequences that cannot run"
+    assert sched.kv.pool.num_free == 8
 
 
 def test_abort_frees_blocks_and_finishes_the_sequence_and_its_pending_samples():
