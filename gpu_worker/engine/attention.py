@@ -8,6 +8,7 @@ chunks (each attended on its own, causally, over its cached context plus the chu
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 from dataclasses import dataclass
 
@@ -44,13 +45,12 @@ class DecodeGroup:
     mask: torch.Tensor  # [rows, 1, 1, max_context]
 
     @classmethod
-    def build(cls, start: int, tables: list[list[int]], context_lens: list[int], device) -> DecodeGroup:
-        width = max(len(t) for t in tables)
-        padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=device)
-        lens = torch.tensor(context_lens, device=device)
-        max_context = max(context_lens)
-        mask = (torch.arange(max_context, device=device)[None, :] < lens[:, None])[:, None, None, :]
-        return cls(start, start + len(tables), padded, max_context, mask)
+    def build(cls, rows: range, block_tables: torch.Tensor, context_lens: torch.Tensor, max_context: int,
+              block_size: int) -> DecodeGroup:
+        tables = block_tables[rows.start:rows.stop, : -(-max_context // block_size)]
+        positions = torch.arange(max_context, device=tables.device)
+        mask = (positions[None, :] < context_lens[rows.start:rows.stop, None])[:, None, None, :]
+        return cls(rows.start, rows.stop, tables, max_context, mask)
 
 
 def group_by_context(context_lens: list[int], growth: float = 1.5) -> list[range]:
@@ -70,11 +70,22 @@ class AttentionMetadata:
 
     slot_blocks: torch.Tensor  # [num_tokens] block of each new token's KV
     slot_offsets: torch.Tensor  # [num_tokens] its row in that block
-    num_decodes: int
+    block_size: int
+    decode_context_list: list[int]  # context length of each decode row, shortest first
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks], zero-padded
     decode_context_lens: torch.Tensor | None  # [num_decodes]
-    decode_groups: list[DecodeGroup]  # the same rows, split for the torch path
     prefills: list[PrefillChunk]
+
+    @property
+    def num_decodes(self) -> int:
+        return len(self.decode_context_list)
+
+    @functools.cached_property
+    def decode_groups(self) -> list[DecodeGroup]:
+        """The decode rows split by length for the torch path; built on first use, once per step."""
+        lens = self.decode_context_list
+        return [DecodeGroup.build(rows, self.decode_block_tables, self.decode_context_lens,
+                                  max(lens[rows.start:rows.stop]), self.block_size) for rows in group_by_context(lens)]
 
 
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,

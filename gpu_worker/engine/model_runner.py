@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention import AttentionMetadata, DecodeGroup, PrefillChunk, allocate_kv_cache, group_by_context
+from .attention import AttentionMetadata, PrefillChunk, allocate_kv_cache
 from .model import Transformer
 from .sampler import SampledToken, Sampler, SamplingBatch, position_uniform
 from .scheduler import ScheduledChunk, SchedulerOutput
@@ -50,16 +50,13 @@ class ModelRunner:
         dev = self.device
         as_long = {"dtype": torch.long, "device": dev}
         positions = torch.tensor(pos, **as_long)
-        meta = AttentionMetadata(torch.tensor(blocks, **as_long), positions % bs, len(decodes), None, None, [], [])
+        context_lens = [c.start + 1 for c in decodes]
+        meta = AttentionMetadata(torch.tensor(blocks, **as_long), positions % bs, bs, context_lens, None, None, [])
         if decodes:
-            context_lens = [c.start + 1 for c in decodes]
             width = max(len(c.block_table) for c in decodes)
             meta.decode_block_tables = torch.tensor([c.block_table + [0] * (width - len(c.block_table))
-                                                     for c in decodes], dtype=torch.long, device=dev)
-            meta.decode_context_lens = torch.tensor(context_lens, dtype=torch.long, device=dev)
-            for rows in group_by_context(context_lens):
-                meta.decode_groups.append(DecodeGroup.build(rows.start, [decodes[i].block_table for i in rows],
-                                                            context_lens[rows.start:rows.stop], dev))
+                                                     for c in decodes], **as_long)
+            meta.decode_context_lens = torch.tensor(context_lens, **as_long)
         start = len(decodes)
         for c in chunks[len(decodes):]:
             ctx = c.start + c.num_tokens

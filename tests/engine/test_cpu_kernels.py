@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpu_worker.engine.attention import AttentionMetadata, CpuPagedAttention, DecodeGroup, TorchPagedAttention
+from gpu_worker.engine.attention import AttentionMetadata, CpuPagedAttention, TorchPagedAttention
 from gpu_worker.engine.kernels import cpu_has_avx512_bf16, cpu_kernels
 from gpu_worker.engine.linear import Linear, OneDnnPackedLinearKernel
 
@@ -61,11 +61,9 @@ def _decode_metadata(context_lens: list[int], num_blocks: int, block_size: int) 
         tables.append(blocks[:need])
         blocks = blocks[need:]
     width = max(len(t) for t in tables)
-    groups = [DecodeGroup.build(0, tables, context_lens, "cpu")]
     padded = torch.tensor([t + [0] * (width - len(t)) for t in tables])
     no_tokens = torch.empty(0, dtype=torch.long)
-    return AttentionMetadata(no_tokens, no_tokens, len(context_lens), padded,
-                             torch.tensor(context_lens), groups, [])
+    return AttentionMetadata(no_tokens, no_tokens, block_size, context_lens, padded, torch.tensor(context_lens), [])
 
 
 @needs_avx512_bf16

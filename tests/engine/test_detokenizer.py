@@ -111,3 +111,31 @@ def test_a_running_sequence_holds_back_at_most_the_longest_stop_string_minus_one
         assert len(detok.text) - len(emitted) <= 3
     assert emitted == TEXT[:-3]
     assert detok.take_delta(finished=True) == TEXT[-3:]
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_style_tokenizer(tmp_path_factory):
+    """A Metaspace ("▁word") tokenizer like Llama-2's and Mistral's: decoding drops a leading space."""
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    raw = RawTokenizer(models.BPE(unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    raw.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    raw.train_from_iterator(["Hello world, the world says hello to the model"] * 50,
+                            trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>"], show_progress=False))
+    out = tmp_path_factory.mktemp("sp-tokenizer")
+    PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>").save_pretrained(out)
+    return Tokenizer(out)
+
+
+def test_first_output_word_keeps_its_space_with_a_sentencepiece_style_tokenizer(sentencepiece_style_tokenizer):
+    tok = sentencepiece_style_tokenizer
+    prompt, output = tok.encode("Hello"), tok.encode(" world")[-1:]
+    assert tok.decode(output) == "world"  # decoded alone, the space is lost
+    detok = IncrementalDetokenizer(tok, [], prompt_tail=prompt[-5:])
+    for token in output:
+        detok.add_token(token)
+    assert detok.take_delta(finished=True) == " world"
+    assert tok.decode(prompt) + detok.text == tok.decode(prompt + output)
