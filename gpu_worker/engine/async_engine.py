@@ -22,7 +22,7 @@ class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
-        self._pending: list[tuple[str, object, SamplingParams, int]] = []
+        self._pending: list[tuple[str, list[int], SamplingParams, int]] = []
         self._aborts: list[str] = []
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
@@ -37,10 +37,10 @@ class AsyncLLMEngine:
         """Yields `RequestOutput` deltas until the request finishes; leaving early aborts it."""
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
-        self.engine.encode_prompt(prompt)  # bad input raises here, before anything is queued
+        prompt_ids = self.engine.encode_prompt(prompt)  # bad input raises here, before anything is queued
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[request_id] = queue
-        self._pending.append((request_id, prompt, params, priority))
+        self._pending.append((request_id, prompt_ids, params, priority))
         self._ensure_loop()
         finished = False
         try:
