@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .kv_cache_manager import cdiv
+
 
 @dataclass
 class PrefillChunk:
@@ -47,7 +49,7 @@ class DecodeGroup:
     @classmethod
     def build(cls, rows: range, block_tables: torch.Tensor, context_lens: torch.Tensor, max_context: int,
               block_size: int) -> DecodeGroup:
-        tables = block_tables[rows.start:rows.stop, : -(-max_context // block_size)]
+        tables = block_tables[rows.start:rows.stop, : cdiv(max_context, block_size)]
         positions = torch.arange(max_context, device=tables.device)
         mask = (positions[None, :] < context_lens[rows.start:rows.stop, None])[:, None, None, :]
         return cls(rows.start, rows.stop, tables, max_context, mask)

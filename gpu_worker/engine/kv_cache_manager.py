@@ -18,12 +18,12 @@ class KVCacheManager:
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Grow `seq`'s block table to hold its computed tokens plus `num_new_tokens`; False if no room."""
-        table = self.block_tables.get(seq.seq_id, [])
-        needed = cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size) - len(table)
+        held = len(self.block_tables.get(seq.seq_id, ()))
+        needed = cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size) - held
         if needed > self.pool.num_free:
             return False
         if needed > 0:
-            self.block_tables[seq.seq_id] = table + self.pool.allocate(needed)
+            self.block_tables.setdefault(seq.seq_id, []).extend(self.pool.allocate(needed))
         return True
 
     def fork(self, parent: Sequence, child: Sequence) -> int:

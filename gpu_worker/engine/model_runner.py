@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .attention import AttentionMetadata, PrefillChunk, allocate_kv_cache
+from .kv_cache_manager import cdiv
 from .model import Transformer
 from .sampler import SampledToken, Sampler, SamplingBatch, position_uniform
 from .scheduler import ScheduledChunk, SchedulerOutput
@@ -60,7 +61,7 @@ class ModelRunner:
         start = len(decodes)
         for c in chunks[len(decodes):]:
             ctx = c.start + c.num_tokens
-            table = torch.tensor(c.block_table[: -(-ctx // bs)], dtype=torch.long, device=dev)
+            table = torch.tensor(c.block_table[: cdiv(ctx, bs)], **as_long)
             meta.prefills.append(PrefillChunk.build(start, c.num_tokens, ctx, table))
             start += c.num_tokens
         return torch.tensor(ids, **as_long), positions, meta

@@ -13,8 +13,9 @@ from .kernels import cpu_kernels
 from .rope import apply_rotary
 
 
-def _native(x: torch.Tensor, width: int):
-    if x.dtype != torch.bfloat16 or x.device.type != "cpu" or width % 32 or not x.is_contiguous():
+def _native(x: torch.Tensor, vector_width: int = 0):
+    """The native kernels where they apply: contiguous bf16 on CPU, `vector_width` a multiple of 32."""
+    if x.dtype != torch.bfloat16 or x.device.type != "cpu" or vector_width % 32 or not x.is_contiguous():
         return None
     return cpu_kernels()
 
@@ -56,5 +57,5 @@ def rotary_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """Row-wise argmax, first index on ties; exact on model-dtype logits (upcasting changes no order)."""
-    native = _native(logits, 32)
+    native = _native(logits)
     return native.argmax_bf16(logits) if native else logits.argmax(dim=-1)

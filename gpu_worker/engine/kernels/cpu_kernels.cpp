@@ -1,6 +1,6 @@
 // CPU kernels for bf16 serving (AVX512-BF16), each checked against its torch reference in
-// tests/engine/test_cpu_kernels.py. Both are memory-bound; they exist because the torch path moves
-// the same bytes several times.
+// tests/engine/test_cpu_kernels.py. All are memory-bound; they exist because the torch path moves the
+// same bytes several times (gathers, upcasts, one pass per element-wise op).
 #include <torch/extension.h>
 #include <immintrin.h>
 #include <algorithm>
