@@ -130,8 +130,9 @@ class TorchPagedAttention:
                  meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KVH, D]; kv_cache: [2, blocks, KVH, block_size, D]. Returns [T, H, D]."""
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        k_cache[meta.slot_blocks, :, meta.slot_offsets] = k
-        v_cache[meta.slot_blocks, :, meta.slot_offsets] = v
+        self.write_kv(k, v, k_cache, v_cache, meta)
+        if not meta.prefills:  # decode-only steps (batch-1 latency) skip the scatter into `out`
+            return self.decode(q, k_cache, v_cache, meta)
         out = torch.empty_like(q)
         if meta.num_decodes:
             out[:meta.num_decodes] = self.decode(q[:meta.num_decodes], k_cache, v_cache, meta)
@@ -139,6 +140,10 @@ class TorchPagedAttention:
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
             out[rows] = self._prefill(q[rows], k[rows], v[rows], k_cache, v_cache, chunk)
         return out
+
+    def write_kv(self, k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
+        k_cache[meta.slot_blocks, :, meta.slot_offsets] = k
+        v_cache[meta.slot_blocks, :, meta.slot_offsets] = v
 
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         return torch.cat([self._decode_group(q[g.start:g.end], k_cache, v_cache, g) for g in meta.decode_groups])
@@ -166,7 +171,7 @@ class TorchPagedAttention:
 
 
 class CpuPagedAttention(TorchPagedAttention):
-    """Decode attention by `kernels/cpu_kernels.cpp`, straight from the paged cache (bf16 on CPU)."""
+    """KV writes and decode attention by `kernels/cpu_kernels.cpp`, straight from the paged cache (bf16 on CPU)."""
 
     def __init__(self, scale: float, kernels):
         super().__init__(scale)
@@ -175,6 +180,9 @@ class CpuPagedAttention(TorchPagedAttention):
     @staticmethod
     def supports(kernels, dtype: torch.dtype, device: torch.device, head_dim: int) -> bool:
         return kernels is not None and dtype == torch.bfloat16 and device.type == "cpu" and head_dim % 32 == 0
+
+    def write_kv(self, k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
+        self.kernels.write_kv_bf16(k, v, k_cache, v_cache, meta.slot_blocks, meta.slot_offsets)
 
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         return self.kernels.paged_decode_attention_bf16(q.contiguous(), k_cache, v_cache, meta.decode_block_tables,

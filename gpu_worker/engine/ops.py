@@ -30,6 +30,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return native.rms_norm_bf16(x, weight, eps) if native else rms_norm_reference(x, weight, eps)
 
 
+def add_rms_norm_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    summed = x + residual
+    return rms_norm_reference(summed, weight, eps), summed
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(x + residual), x + residual): the residual stream's add fused into the norm that follows it."""
+    native = _native(x, x.shape[-1])
+    if native and residual.is_contiguous():
+        return tuple(native.add_rms_norm_bf16(x, residual, weight, eps))
+    return add_rms_norm_reference(x, residual, weight, eps)
+
+
 def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up

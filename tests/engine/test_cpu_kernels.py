@@ -83,8 +83,23 @@ def test_paged_decode_attention_matches_the_reference(heads, kv_heads, head_dim)
 
 
 @needs_avx512_bf16
+def test_native_kv_write_fills_the_same_slots_as_the_reference_from_a_fused_qkv_slice():
+    torch.manual_seed(5)
+    kv_heads, head_dim, block_size, num_blocks, tokens = 4, 64, 16, 20, 37
+    qkv = torch.randn(tokens, (12 + 2 * kv_heads) * head_dim, dtype=torch.bfloat16)
+    _, k, v = qkv.split([12 * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    k, v = k.view(tokens, kv_heads, head_dim), v.view(tokens, kv_heads, head_dim)
+    slots = torch.randperm(num_blocks * block_size)[:tokens]
+    meta = AttentionMetadata(slots // block_size, slots % block_size, block_size, [], None, None, [])
+    caches = [torch.zeros(2, num_blocks, kv_heads, block_size, head_dim, dtype=torch.bfloat16) for _ in range(2)]
+    TorchPagedAttention(1.0).write_kv(k, v, caches[0][0], caches[0][1], meta)
+    CpuPagedAttention(1.0, cpu_kernels()).write_kv(k, v, caches[1][0], caches[1][1], meta)
+    assert torch.equal(caches[0], caches[1]) and caches[0].count_nonzero() == 2 * k.numel()
+
+
+@needs_avx512_bf16
 @pytest.mark.parametrize("rows", [1, 7, 300])
-def test_native_rms_norm_and_silu_and_mul_match_their_references(rows):
+def test_native_rms_norm_add_rms_norm_and_silu_and_mul_match_their_references(rows):
     from gpu_worker.engine import ops
 
     torch.manual_seed(rows)
@@ -92,6 +107,10 @@ def test_native_rms_norm_and_silu_and_mul_match_their_references(rows):
     weight = torch.randn(256, dtype=torch.bfloat16)
     _assert_close_in_bf16(cpu_kernels().rms_norm_bf16(x, weight, 1e-5), ops.rms_norm_reference(x, weight, 1e-5))
     _assert_close_in_bf16(cpu_kernels().silu_and_mul_bf16(x), ops.silu_and_mul_reference(x))
+    residual = torch.randn_like(x)
+    for got, want in zip(cpu_kernels().add_rms_norm_bf16(x, residual, weight, 1e-5),
+                         ops.add_rms_norm_reference(x, residual, weight, 1e-5), strict=True):
+        _assert_close_in_bf16(got, want)
 
 
 @needs_avx512_bf16

@@ -16,9 +16,22 @@ static inline uint16_t to_bf16(float f) {
 }
 
 // y[1, N] = x[1, K] @ w[N, K]^T with fp32 accumulation. Batch-1 decode is one such product per weight;
-// oneDNN's bf16 path reaches about 60% of this loop's bandwidth on it. Rows are split across OpenMP
-// threads, eight at a time so each thread keeps several weight streams in flight, each prefetched
-// 1 KiB ahead. K % 32 == 0.
+// oneDNN's bf16 path reaches about 60% of the read bandwidth on it. Each OpenMP thread takes one
+// contiguous range of rows and reads it front to back, one row at a time, so the hardware prefetcher
+// sees a single sequential stream: this reached the bandwidth of a plain read loop, where interleaving
+// eight rows with software prefetch stayed near 60% of it. K % 32 == 0.
+static inline uint16_t row_dot_bf16(const uint16_t* x, const uint16_t* w, int64_t K) {
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();  // two chains hide the dpbf16 latency
+  int64_t k = 0;
+  for (; k + 64 <= K; k += 64) {
+    acc0 = _mm512_dpbf16_ps(acc0, (__m512bh)_mm512_loadu_si512(w + k), (__m512bh)_mm512_loadu_si512(x + k));
+    acc1 = _mm512_dpbf16_ps(acc1, (__m512bh)_mm512_loadu_si512(w + k + 32),
+                            (__m512bh)_mm512_loadu_si512(x + k + 32));
+  }
+  if (k < K) acc0 = _mm512_dpbf16_ps(acc0, (__m512bh)_mm512_loadu_si512(w + k), (__m512bh)_mm512_loadu_si512(x + k));
+  return to_bf16(_mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)));
+}
+
 torch::Tensor gemv_bf16(const torch::Tensor& x, const torch::Tensor& w) {
   TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && x.is_contiguous(), "x must be [1, K] contiguous");
   TORCH_CHECK(w.is_contiguous() && w.size(1) == x.size(1) && w.size(1) % 32 == 0, "w must be [N, K], K % 32 == 0");
@@ -28,20 +41,7 @@ torch::Tensor gemv_bf16(const torch::Tensor& x, const torch::Tensor& w) {
   const auto* wp = static_cast<const uint16_t*>(w.data_ptr());
   auto* yp = static_cast<uint16_t*>(y.data_ptr());
 #pragma omp parallel for schedule(static)
-  for (int64_t n0 = 0; n0 < N; n0 += 8) {
-    const int64_t rows = std::min<int64_t>(8, N - n0);
-    __m512 acc[8];
-    for (int64_t r = 0; r < 8; r++) acc[r] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 32) {
-      const __m512bh b = (__m512bh)_mm512_loadu_si512(xp + k);
-      for (int64_t r = 0; r < rows; r++) {
-        _mm_prefetch(reinterpret_cast<const char*>(wp + (n0 + r) * K + k + 512), _MM_HINT_T0);
-        const __m512bh a = (__m512bh)_mm512_loadu_si512(wp + (n0 + r) * K + k);
-        acc[r] = _mm512_dpbf16_ps(acc[r], a, b);
-      }
-    }
-    for (int64_t r = 0; r < rows; r++) yp[n0 + r] = to_bf16(_mm512_reduce_add_ps(acc[r]));
-  }
+  for (int64_t n = 0; n < N; n++) yp[n] = row_dot_bf16(xp, wp + n * K, K);
   return y;
 }
 
@@ -181,6 +181,28 @@ torch::Tensor paged_decode_attention_bf16(const torch::Tensor& q, const torch::T
   return out;
 }
 
+// cache[slot_blocks[t], :, slot_offsets[t]] = rows[t] for k and v: what the reference's two index_put
+// calls do, in one call without the advanced-indexing overhead (it was ~5% of a batch-1 decode step).
+// k and v may be column slices of the fused qkv output: only each token's [KVH, D] must be contiguous.
+void write_kv_bf16(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_cache, torch::Tensor& v_cache,
+                   const torch::Tensor& slot_blocks, const torch::Tensor& slot_offsets) {
+  const int64_t T = k.size(0), KVH = k.size(1), D = k.size(2), block_size = k_cache.size(2);
+  TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == D && v.stride(2) == 1 && v.stride(1) == D, "rows [KVH, D] contiguous");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.size(1) == KVH, "cache [blocks, KVH, bs, D]");
+  const int64_t* bp = slot_blocks.data_ptr<int64_t>();
+  const int64_t* op = slot_offsets.data_ptr<int64_t>();
+  const auto* kp = static_cast<const uint16_t*>(k.data_ptr());
+  const auto* vp = static_cast<const uint16_t*>(v.data_ptr());
+  auto* kc = static_cast<uint16_t*>(k_cache.data_ptr());
+  auto* vc = static_cast<uint16_t*>(v_cache.data_ptr());
+  for (int64_t t = 0; t < T; t++)
+    for (int64_t h = 0; h < KVH; h++) {
+      const int64_t dst = ((bp[t] * KVH + h) * block_size + op[t]) * D;
+      std::memcpy(kc + dst, kp + t * k.stride(0) + h * D, D * 2);
+      std::memcpy(vc + dst, vp + t * v.stride(0) + h * D, D * 2);
+    }
+}
+
 static inline __m256i to_bf16x16(__m512 v) {  // round to nearest even, as to_bf16
   __m512i u = _mm512_castps_si512(v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
@@ -209,7 +231,20 @@ torch::Tensor silu_and_mul_bf16(const torch::Tensor& x) {
   return out;
 }
 
-// HF's RMSNorm in bf16: normalize in fp32, round to bf16, then multiply by the bf16 weight.
+// HF's RMSNorm in bf16 on one row: normalize in fp32, round to bf16, then multiply by the bf16 weight.
+static inline void rms_norm_row(const uint16_t* x, const uint16_t* w, uint16_t* out, int64_t H, float eps) {
+  __m512 sq = _mm512_setzero_ps();
+  for (int64_t h = 0; h < H; h += 16) {
+    const __m512 v = load_bf16x16(x + h);
+    sq = _mm512_fmadd_ps(v, v, sq);
+  }
+  const __m512 inv = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(sq) / H + eps));
+  for (int64_t h = 0; h < H; h += 16) {
+    const __m512 n = load_bf16x16_from(to_bf16x16(_mm512_mul_ps(load_bf16x16(x + h), inv)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + h), to_bf16x16(_mm512_mul_ps(load_bf16x16(w + h), n)));
+  }
+}
+
 torch::Tensor rms_norm_bf16(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
   TORCH_CHECK(x.is_contiguous() && x.size(-1) % 16 == 0, "x must be contiguous, hidden % 16 == 0");
   const int64_t H = x.size(-1), T = x.numel() / H;
@@ -218,19 +253,32 @@ torch::Tensor rms_norm_bf16(const torch::Tensor& x, const torch::Tensor& weight,
   const auto* wp = static_cast<const uint16_t*>(weight.data_ptr());
   auto* op = static_cast<uint16_t*>(out.data_ptr());
 #pragma omp parallel for schedule(static)
-  for (int64_t t = 0; t < T; t++) {
-    __m512 sq = _mm512_setzero_ps();
-    for (int64_t h = 0; h < H; h += 16) {
-      const __m512 v = load_bf16x16(xp + t * H + h);
-      sq = _mm512_fmadd_ps(v, v, sq);
-    }
-    const __m512 inv = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(sq) / H + static_cast<float>(eps)));
-    for (int64_t h = 0; h < H; h += 16) {
-      const __m512 n = load_bf16x16_from(to_bf16x16(_mm512_mul_ps(load_bf16x16(xp + t * H + h), inv)));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(op + t * H + h), to_bf16x16(_mm512_mul_ps(load_bf16x16(wp + h), n)));
-    }
-  }
+  for (int64_t t = 0; t < T; t++) rms_norm_row(xp + t * H, wp, op + t * H, H, static_cast<float>(eps));
   return out;
+}
+
+// (rms_norm(x + residual), x + residual), the sum rounded to bf16 as torch's add: the residual stream's
+// add and the next norm in one pass over the row instead of two ops.
+std::vector<torch::Tensor> add_rms_norm_bf16(const torch::Tensor& x, const torch::Tensor& residual,
+                                             const torch::Tensor& weight, double eps) {
+  TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && x.sizes() == residual.sizes() && x.size(-1) % 16 == 0,
+              "x and residual must be contiguous, of one shape, hidden % 16 == 0");
+  const int64_t H = x.size(-1), T = x.numel() / H;
+  auto out = torch::empty_like(x);
+  auto sum = torch::empty_like(x);
+  const auto* xp = static_cast<const uint16_t*>(x.data_ptr());
+  const auto* rp = static_cast<const uint16_t*>(residual.data_ptr());
+  const auto* wp = static_cast<const uint16_t*>(weight.data_ptr());
+  auto* op = static_cast<uint16_t*>(out.data_ptr());
+  auto* sp = static_cast<uint16_t*>(sum.data_ptr());
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < T; t++) {
+    for (int64_t h = 0; h < H; h += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(sp + t * H + h),
+                          to_bf16x16(_mm512_add_ps(load_bf16x16(xp + t * H + h), load_bf16x16(rp + t * H + h))));
+    rms_norm_row(sp + t * H, wp, op + t * H, H, static_cast<float>(eps));
+  }
+  return {out, sum};
 }
 
 // Row-wise argmax of bf16 logits [B, V], first index on ties, as torch.argmax. Greedy decoding needs
@@ -291,6 +339,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_inplace_bf16", &rotary_inplace_bf16);
   m.def("silu_and_mul_bf16", &silu_and_mul_bf16);
   m.def("rms_norm_bf16", &rms_norm_bf16);
+  m.def("add_rms_norm_bf16", &add_rms_norm_bf16);
   m.def("gemv_bf16", &gemv_bf16);
   m.def("paged_decode_attention_bf16", &paged_decode_attention_bf16);
+  m.def("write_kv_bf16", &write_kv_bf16);
 }
