@@ -36,6 +36,106 @@ def _bench(args: argparse.Namespace) -> int:
     return run_from_args(args)
 
 
+def _bench_serving(args: argparse.Namespace) -> int:
+    from bench.serving import run_from_args
+
+    return run_from_args(args)
+
+
+def _redis_url() -> str:
+    from services.settings import RedisSettings
+
+    url = RedisSettings().redis_url
+    if not url:
+        raise SystemExit("REDIS_URL is not set: start a Redis (or use `tokenfleet up`, which embeds one)")
+    return url
+
+
+def _run_service(serve, settings) -> int:
+    import asyncio
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    asyncio.run(serve(settings, _redis_url()))
+    return 0
+
+
+def _gateway(args: argparse.Namespace) -> int:
+    from gateway.main import serve
+    from services.settings import GatewaySettings
+
+    overrides = {k: v for k, v in {"host": args.host, "port": args.port}.items() if v is not None}
+    return _run_service(serve, GatewaySettings(**overrides))
+
+
+def _router(args: argparse.Namespace) -> int:
+    from router.main import serve
+    from services.settings import RouterSettings
+
+    return _run_service(serve, RouterSettings())
+
+
+def _worker(args: argparse.Namespace) -> int:
+    from gpu_worker.main import serve
+    from services.settings import WorkerSettings
+
+    flags = {"model": args.model, "served_model_name": args.served_model_name, "device": args.device,
+             "dtype": args.dtype, "tier": args.tier, "metrics_port": args.metrics_port}
+    return _run_service(serve, WorkerSettings(**{k: v for k, v in flags.items() if v is not None}))
+
+
+def _up(args: argparse.Namespace) -> int:
+    from services.stack import default_workers, up
+
+    return up(args.host, args.port, default_workers())
+
+
+def _keys_create(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from gateway.auth import register_key
+    from services.redis_client import connect
+
+    async def create() -> str:
+        redis = connect(_redis_url())
+        try:
+            return await register_key(redis, args.name)
+        finally:
+            await redis.aclose()
+
+    print(asyncio.run(create()))
+    return 0
+
+
+def _add_service_commands(sub) -> None:
+    up = sub.add_parser("up", help="the whole stack as local processes (embedded Redis unless REDIS_URL is set)")
+    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--port", type=int, default=8000)
+    up.set_defaults(func=_up)
+
+    gateway = sub.add_parser("gateway", help="the OpenAI-compatible HTTP gateway")
+    gateway.add_argument("--host", default=None)
+    gateway.add_argument("--port", type=int, default=None)
+    gateway.set_defaults(func=_gateway)
+
+    sub.add_parser("router", help="the router (request stream -> model work streams)").set_defaults(func=_router)
+
+    worker = sub.add_parser("worker", help="a GPU worker serving one model")
+    worker.add_argument("--model", default=None, help="built-in name or HF model directory")
+    worker.add_argument("--served-model-name", default=None)
+    worker.add_argument("--device", default=None)
+    worker.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
+    worker.add_argument("--tier", default=None, help="small / large: the tiers model=auto chooses between")
+    worker.add_argument("--metrics-port", type=int, default=None)
+    worker.set_defaults(func=_worker)
+
+    keys = sub.add_parser("keys", help="API keys")
+    keys_sub = keys.add_subparsers(dest="keys", required=True)
+    create = keys_sub.add_parser("create", help="create a key (printed once; stored hashed)")
+    create.add_argument("name")
+    create.set_defaults(func=_keys_create)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenfleet", description="tokenfleet LLM serving stack")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -60,6 +160,12 @@ def build_parser() -> argparse.ArgumentParser:
     engine_bench = bench_sub.add_parser("engine", help="our engine vs HF generate (and vLLM, llama.cpp)")
     add_arguments(engine_bench)
     engine_bench.set_defaults(func=_bench)
+    from bench.serving import add_arguments as add_serving_arguments
+
+    serving_bench = bench_sub.add_parser("serving", help="drive a running gateway with Poisson arrivals")
+    add_serving_arguments(serving_bench)
+    serving_bench.set_defaults(func=_bench_serving)
+    _add_service_commands(sub)
     return parser
 
 

@@ -7,8 +7,9 @@ from .llm import LLM
 from .llm_engine import LLMEngine
 from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import SamplingParams
+from .sequence import ResumedChoice
 
 __all__ = [
     "LLM", "AsyncLLMEngine", "CompletionOutput", "EngineConfig", "InvalidRequestError", "LLMEngine",
-    "ModelLoadError", "RequestOutput", "SamplingParams",
+    "ModelLoadError", "RequestOutput", "ResumedChoice", "SamplingParams",
 ]

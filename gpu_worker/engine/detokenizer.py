@@ -43,6 +43,12 @@ class IncrementalDetokenizer:
         self.text = self.text[:index]
         return stop
 
+    def skip(self, token_ids: list[int], text_emitted: int) -> None:
+        """Replay tokens whose text (its first `text_emitted` characters) was already handed out."""
+        for token_id in token_ids:
+            self.add_token(token_id)
+        self.emitted = min(text_emitted, len(self.text))
+
     def take_delta(self, finished: bool) -> str:
         """Text not yet handed out; while running, keep back what may still start a stop string."""
         end = len(self.text) if finished or not self.stop else max(self.emitted, len(self.text) - self.holdback)

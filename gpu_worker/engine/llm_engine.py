@@ -21,7 +21,7 @@ from .outputs import CompletionOutput, RequestOutput
 from .sampler import SampledToken
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from .sequence import Sequence
+from .sequence import ResumedChoice, Sequence
 from .tokenizer import Tokenizer
 
 # Prompt tokens the detokenizer decodes as context before the first output token (vLLM uses 5).
@@ -33,7 +33,7 @@ class RequestState:
     request_id: str
     prompt_token_ids: list[int]
     seqs: list[Sequence]
-    detokenizers: list[IncrementalDetokenizer]
+    detokenizers: dict[int, IncrementalDetokenizer]  # by sample index
     arrival_time: float
     first_token_time: float | None = None
     engine_seconds: float = 0.0  # this request's share of measured step time, by tokens processed
@@ -47,7 +47,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.device = torch.device(config.device)
-        model_dir = resolve_model_dir(config.model)
+        self.model_dir = model_dir = resolve_model_dir(config.model)
         self.model_config = ModelConfig.from_dir(model_dir)
         self.dtype = resolve_dtype(config.dtype, self.model_config.checkpoint_dtype, self.device)
         self.max_model_len = resolve_max_model_len(self.model_config, config.max_model_len)
@@ -100,18 +100,27 @@ class LLMEngine:
         return ids
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    priority: int = 0) -> None:
+                    priority: int = 0, resume: list[ResumedChoice] | None = None) -> None:
+        """`resume`: continue these samples (only these) from the tokens they already produced."""
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already running", "request_id")
         prompt_ids = self.encode_prompt(prompt)
-        seqs = [self._new_sequence(request_id, i, prompt_ids, params, priority) for i in range(params.n)]
-        seqs[0].forks_pending = seqs[1:]
-        self.requests[request_id] = RequestState(
-            request_id, prompt_ids, seqs,
-            [IncrementalDetokenizer(self.tokenizer, params.stop, prompt_ids[-DETOKENIZER_CONTEXT:]) for _ in seqs],
-            arrival_time=time.perf_counter(),
-        )
-        self.scheduler.add(seqs[0])
+        if resume is None:
+            seqs = [self._new_sequence(request_id, i, prompt_ids, params, priority) for i in range(params.n)]
+            seqs[0].forks_pending = seqs[1:]
+            queued = seqs[:1]
+        else:  # each sample has its own tokens past the prompt: nothing to fork
+            seqs = [self._new_sequence(request_id, c.index, prompt_ids, params, priority) for c in resume]
+            queued = seqs
+        detokenizers = {s.index: IncrementalDetokenizer(self.tokenizer, params.stop,
+                                                        prompt_ids[-DETOKENIZER_CONTEXT:]) for s in seqs}
+        for seq, choice in zip(seqs, resume or [], strict=False):
+            seq.token_ids.extend(choice.token_ids)
+            detokenizers[seq.index].skip(choice.token_ids, choice.text_emitted)
+        self.requests[request_id] = RequestState(request_id, prompt_ids, seqs, detokenizers,
+                                                 arrival_time=time.perf_counter())
+        for seq in queued:
+            self.scheduler.add(seq)
 
     def _new_sequence(self, request_id: str, index: int, prompt_ids: list[int], params: SamplingParams,
                       priority: int) -> Sequence:
@@ -175,7 +184,8 @@ class LLMEngine:
             state = self.requests[request_id]
             if state.finished:
                 del self.requests[request_id]
-            results.append(RequestOutput(request_id, state.prompt_token_ids, completions, state.finished))
+            results.append(RequestOutput(request_id, state.prompt_token_ids, completions, state.finished,
+                                         state.engine_seconds))
         return results
 
     # ---- introspection --------------------------------------------------------------------------------

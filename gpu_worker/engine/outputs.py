@@ -33,6 +33,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = False
+    engine_seconds: float = 0.0  # so far: the request's share of measured step time, by tokens processed
 
     @property
     def token_ids(self) -> list[int]:

@@ -69,3 +69,13 @@ class Sequence:
             self.finish("stop", None)
         elif self.num_output_tokens >= self.params.max_tokens or self.num_tokens >= max_model_len:
             self.finish("length")
+
+
+@dataclass(frozen=True)
+class ResumedChoice:
+    """A sample partly produced elsewhere (by a worker that died): it continues from `token_ids` as a
+    recompute preemption does, and its text is handed out from character `text_emitted` on."""
+
+    index: int
+    token_ids: list[int]
+    text_emitted: int

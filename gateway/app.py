@@ -1,0 +1,148 @@
+"""The gateway: OpenAI's HTTP API in front of the request stream. Authenticates, validates, admits,
+enqueues, and relays the reply stream back (whole or as server-sent events)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+import uuid
+
+import redis.asyncio as aioredis
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from gateway.admission import Admission, alive_workers, served_models
+from gateway.auth import authenticate, register_key
+from gateway.idempotency import Idempotency
+from gateway.relay import Relay
+from gateway.schemas import ChatCompletionRequest, CompletionRequest, RequestError, parse
+from services import protocol as p
+from services.settings import GatewaySettings, RouterSettings, StreamSettings
+
+
+def _traceparent(header: str | None) -> str:
+    return header or f"00-{secrets.token_hex(16)}-{secrets.token_hex(8)}-01"
+
+
+def _error_response(error: p.ErrorBody, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error.openai(), status_code=error.status, headers=headers)
+
+
+class GatewayMetrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        self.requests = Counter("tokenfleet_gateway_requests", "HTTP requests by path and status",
+                                ["path", "status"], registry=self.registry)
+        self.latency = Histogram("tokenfleet_gateway_request_seconds", "Time to the response's headers",
+                                 ["path"], registry=self.registry)
+
+
+class Gateway:
+    """The handlers, over the components they share; `create_app` wires them to routes."""
+
+    def __init__(self, redis: aioredis.Redis, settings: GatewaySettings, tiers: RouterSettings,
+                 stream_settings: StreamSettings):
+        self.redis, self.settings = redis, settings
+        self.idempotency = Idempotency(redis, settings.idempotency_ttl_s)
+        self.relay = Relay(redis, Admission(redis, settings, tiers), self.idempotency, settings, stream_settings)
+        self.metrics = GatewayMetrics()
+
+    async def register_dev_key(self) -> None:
+        if self.settings.dev_key:
+            await register_key(self.redis, "dev", self.settings.dev_key)
+
+    async def stamp(self, request: Request, call_next):
+        """`x-request-id` on every response, and the request's count and latency."""
+        request.state.request_id = uuid.uuid4().hex
+        started = time.perf_counter()
+        response = await call_next(request)
+        response.headers["x-request-id"] = request.state.request_id
+        route = request.scope.get("route")
+        path = route.path if route else "unmatched"
+        self.metrics.requests.labels(path, str(response.status_code)).inc()
+        self.metrics.latency.labels(path).observe(time.perf_counter() - started)
+        return response
+
+    async def authenticated(self, request: Request) -> tuple[str, str]:
+        found = await authenticate(self.redis, request.headers.get("authorization"))
+        if found is None:
+            raise RequestError(p.ErrorBody(message="Incorrect or missing API key; pass it as 'Authorization: "
+                                                   "Bearer KEY'", type="invalid_request_error",
+                                           code="invalid_api_key", status=401))
+        return found
+
+    async def generate(self, request: Request, schema) -> Response:
+        key_hash, key_name = await self.authenticated(request)
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise RequestError(p.ErrorBody(message=f"could not parse the JSON body: {exc}")) from None
+        req = parse(schema, body)
+        message = req.to_message(request.state.request_id, key_name)
+        message.traceparent = _traceparent(request.headers.get("traceparent"))
+        if key := request.headers.get("idempotency-key"):
+            first = await self.idempotency.claim(key_hash, key, message)
+            if first is not None:
+                return await self.relay.replay(req, first)
+        return await self.relay.run(req, message, idempotency_record=(key_hash, key) if key else None)
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self.generate(request, ChatCompletionRequest)
+
+    async def completions(self, request: Request) -> Response:
+        return await self.generate(request, CompletionRequest)
+
+    async def models(self, request: Request) -> dict:
+        await self.authenticated(request)
+        served = await served_models(self.redis)
+        data = [{"id": name, "object": "model", "created": 0, "owned_by": "tokenfleet",
+                 "max_model_len": info.max_model_len, "tier": info.tier} for name, info in sorted(served.items())]
+        data.append({"id": p.AUTO_MODEL, "object": "model", "created": 0, "owned_by": "tokenfleet"})
+        return {"object": "list", "data": data}
+
+    async def healthz(self) -> dict:
+        return {"status": "ok"}
+
+    async def readyz(self) -> JSONResponse:
+        """Ready when Redis answers and every served model has a live worker."""
+        try:
+            await asyncio.wait_for(self.redis.ping(), 2.0)
+        except (TimeoutError, aioredis.RedisError) as exc:
+            return JSONResponse({"status": "unready", "redis": str(exc)}, status_code=503)
+        workers = {name: await alive_workers(self.redis, name) for name in await served_models(self.redis)}
+        ready = bool(workers) and all(workers.values())
+        return JSONResponse({"status": "ready" if ready else "unready", "redis": "ok", "workers": workers},
+                            status_code=200 if ready else 503)
+
+    async def prometheus(self) -> PlainTextResponse:
+        return PlainTextResponse(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+async def _request_error(request: Request, exc: RequestError) -> JSONResponse:
+    return _error_response(exc.error, exc.headers)
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+    return _error_response(p.ErrorBody(message=str(exc.detail), status=exc.status_code, type=kind))
+
+
+def create_app(redis: aioredis.Redis, settings: GatewaySettings, tiers: RouterSettings,
+               stream_settings: StreamSettings) -> FastAPI:
+    gateway = Gateway(redis, settings, tiers, stream_settings)
+    app = FastAPI(title="tokenfleet gateway", on_startup=[gateway.register_dev_key])
+    app.middleware("http")(gateway.stamp)
+    app.add_exception_handler(RequestError, _request_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_api_route("/v1/chat/completions", gateway.chat_completions, methods=["POST"])
+    app.add_api_route("/v1/completions", gateway.completions, methods=["POST"])
+    app.add_api_route("/v1/models", gateway.models, methods=["GET"])
+    app.add_api_route("/healthz", gateway.healthz, methods=["GET"])
+    app.add_api_route("/readyz", gateway.readyz, methods=["GET"])
+    app.add_api_route("/metrics", gateway.prometheus, methods=["GET"])
+    app.state.gateway = gateway
+    return app

@@ -1,0 +1,19 @@
+"""`tokenfleet gateway`: the FastAPI app under uvicorn."""
+
+from __future__ import annotations
+
+import uvicorn
+
+from gateway.app import create_app
+from services.redis_client import connect
+from services.settings import GatewaySettings, RouterSettings, StreamSettings
+
+
+async def serve(settings: GatewaySettings, redis_url: str) -> None:
+    redis = connect(redis_url)
+    app = create_app(redis, settings, RouterSettings(), StreamSettings())
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning", access_log=False)
+    try:
+        await uvicorn.Server(config).serve()
+    finally:
+        await redis.aclose()

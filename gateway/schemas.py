@@ -1,0 +1,154 @@
+"""OpenAI request bodies, validated: a bad field becomes a 400 naming it (`param`), as OpenAI answers."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from services import protocol as p
+
+# Fields of OpenAI's API this gateway does not implement: refused by name rather than ignored.
+UNSUPPORTED = {"tools", "tool_choice", "functions", "function_call", "response_format", "logit_bias",
+               "parallel_tool_calls", "audio", "modalities", "prediction", "web_search_options", "suffix",
+               "best_of", "echo", "reasoning_effort", "service_tier", "store", "metadata"}
+MAX_N = 16
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_only(cls, content):
+        if isinstance(content, list) and any(part.get("type") != "text" for part in content):
+            raise ValueError("only text content parts are supported")
+        return content
+
+    def as_template_input(self) -> dict[str, Any]:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.get("text", "") for part in content)
+        return {"role": self.role, "content": content or ""}
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    user: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # vLLM's extensions, for users who come from it
+    top_k: int = -1
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    ignore_eos: bool = False
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, stop):
+        stops = [stop] if isinstance(stop, str) else stop or []
+        if len(stops) > 4:
+            raise ValueError("at most 4 stop sequences")
+        if any(not s for s in stops):
+            raise ValueError("stop sequences must be non-empty")
+        return stops
+
+    def sampling(self, max_tokens: int | None, logprobs: int | None) -> p.SamplingOptions:
+        return p.SamplingOptions(
+            n=self.n, max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+            min_p=self.min_p, presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty, seed=self.seed, stop=self.stop or [],
+            ignore_eos=self.ignore_eos, logprobs=logprobs)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        return self
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs
+
+    def to_message(self, request_id: str, api_key_name: str | None) -> p.GenerateRequest:
+        max_tokens = self.max_completion_tokens or self.max_tokens
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return p.GenerateRequest(request_id=request_id, kind="chat", model=self.model,
+                                 messages=[m.as_template_input() for m in self.messages],
+                                 sampling=self.sampling(max_tokens, logprobs), api_key_name=api_key_name,
+                                 user=self.user)
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[int] = Field(min_length=1)
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _single_prompt(cls, prompt):
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+            return prompt[0]  # a batch of one
+        if isinstance(prompt, list) and prompt and not all(isinstance(t, int) for t in prompt):
+            raise ValueError("one prompt per request: a string or a list of token ids")
+        return prompt
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs is not None
+
+    def to_message(self, request_id: str, api_key_name: str | None) -> p.GenerateRequest:
+        return p.GenerateRequest(request_id=request_id, kind="completion", model=self.model, prompt=self.prompt,
+                                 sampling=self.sampling(self.max_tokens, self.logprobs), api_key_name=api_key_name,
+                                 user=self.user)
+
+
+def parse(cls: type[_Common], body: Any) -> _Common:
+    """The validated request, or `RequestError` with OpenAI's 400 body naming the offending field."""
+    if not isinstance(body, dict):
+        raise RequestError(p.ErrorBody(message="the request body must be a JSON object"))
+    for name in UNSUPPORTED & body.keys():
+        if body[name] not in (None, [], {}) and not (name == "response_format" and body[name] == {"type": "text"}):
+            raise RequestError(p.ErrorBody(message=f"'{name}' is not supported by this server", param=name,
+                                           code="unsupported_parameter"))
+    try:
+        return cls.model_validate({k: v for k, v in body.items() if k not in UNSUPPORTED})
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = ".".join(str(part) for part in first["loc"]) or None
+        message = "Unrecognized request argument supplied: " + param if first["type"] == "extra_forbidden" \
+            else f"{param}: {first['msg']}"
+        raise RequestError(p.ErrorBody(message=message, param=param, code="invalid_value")) from None
+
+
+class RequestError(Exception):
+    def __init__(self, error: p.ErrorBody, headers: dict[str, str] | None = None):
+        super().__init__(error.message)
+        self.error = error
+        self.headers = headers or {}

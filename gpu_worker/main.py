@@ -1,0 +1,47 @@
+"""`tokenfleet worker`: load the model, join the work stream's consumer group, serve until SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+from pathlib import Path
+
+from gpu_worker.engine import AsyncLLMEngine, EngineConfig, LLMEngine
+from gpu_worker.engine.builtin_models import BUILTIN_MODELS
+from gpu_worker.metrics import serve_metrics
+from gpu_worker.service import Worker
+from services import protocol as p
+from services.redis_client import connect
+from services.settings import StreamSettings, WorkerSettings
+
+
+def served_name(settings: WorkerSettings) -> str:
+    if settings.served_model_name:
+        return settings.served_model_name
+    return settings.model if settings.model in BUILTIN_MODELS else Path(settings.model).name
+
+
+async def serve(settings: WorkerSettings, redis_url: str) -> None:
+    engine = LLMEngine(EngineConfig(model=settings.model, dtype=settings.dtype, device=settings.device,
+                                    max_num_seqs=settings.max_num_seqs,
+                                    max_num_batched_tokens=settings.max_num_batched_tokens,
+                                    kv_cache_memory_bytes=settings.kv_cache_memory_bytes))
+    name = served_name(settings)
+    info = p.ModelInfo(name=name, model_dir=str(engine.model_dir), max_model_len=engine.max_model_len,
+                       tier=settings.tier)
+    worker_id = f"{socket.gethostname()}-{os.getpid()}"
+    metrics_port = serve_metrics(engine, name, settings.metrics_port)
+    redis = connect(redis_url)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    logging.getLogger(__name__).info("worker %s serving %s (metrics on port %s)", worker_id, name, metrics_port)
+    try:
+        await Worker(redis, AsyncLLMEngine(engine), info, worker_id, settings, StreamSettings(),
+                     metrics_port).run(stop)
+    finally:
+        await redis.aclose()

@@ -1,0 +1,256 @@
+"""The GPU worker: a consumer-group member on its model's work stream that feeds the async engine.
+
+Requests stream in as capacity frees (the engine batches them continuously); each request's token
+deltas go, numbered, to its reply stream, and the work entry is acknowledged only after the final chunk.
+A heartbeat keeps this worker's pending entries fresh; a janitor takes entries whose owner stopped
+refreshing them (it died) and resumes them from what their reply stream already holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+import redis.asyncio as aioredis
+
+from gpu_worker.engine import AsyncLLMEngine, InvalidRequestError
+from gpu_worker.request_codec import ReplyHistory, logprob_entries, prompt_ids, sampling_params
+from services import protocol as p
+from services import streams
+from services.settings import StreamSettings, WorkerSettings
+
+log = logging.getLogger(__name__)
+
+
+class Worker:
+    def __init__(self, redis: aioredis.Redis, engine: AsyncLLMEngine, info: p.ModelInfo, worker_id: str,
+                 settings: WorkerSettings, stream_settings: StreamSettings, metrics_port: int | None = None):
+        self.redis, self.engine, self.info, self.worker_id = redis, engine, info, worker_id
+        self.settings, self.streams = settings, stream_settings
+        self.stream = p.work_stream(info.name)
+        self.metrics_port = metrics_port
+        self.inflight: dict[str, tuple[str, asyncio.Task]] = {}  # request id -> (entry id, its task)
+        self.draining = False
+        self._slot_freed = asyncio.Event()
+
+    # ---- lifecycle ------------------------------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event) -> None:
+        await streams.ensure_group(self.redis, self.stream, p.WORKER_GROUP)
+        await self.redis.hset(p.MODELS_KEY, self.info.name, self.info.model_dump_json())
+        await self._heartbeat()
+        loops = [asyncio.create_task(coro) for coro in
+                 (self._read_loop(), self._janitor_loop(), self._heartbeat_loop(), self._cancel_loop())]
+        await stop.wait()
+        await self.drain(loops)
+
+    async def drain(self, loops: list[asyncio.Task]) -> None:
+        """Stop taking work, let in-flight requests finish within the deadline, hand back the rest."""
+        self.draining = True
+        loops[0].cancel()
+        loops[1].cancel()
+        tasks = [task for _, task in self.inflight.values()]
+        if tasks:
+            await asyncio.wait(tasks, timeout=self.settings.drain_timeout_s)
+        leftover = [entry_id for entry_id, _ in self.inflight.values()]
+        for _, task in list(self.inflight.values()):
+            task.cancel()
+        await streams.hand_back(self.redis, self.stream, p.WORKER_GROUP, self.worker_id, leftover, self.streams)
+        for loop in loops:
+            loop.cancel()
+        await asyncio.gather(*loops, *tasks, return_exceptions=True)
+        await self.redis.zrem(p.workers_key(self.info.name), self.worker_id)
+        await self.redis.delete(p.heartbeat_key(self.info.name, self.worker_id))
+        await self.engine.shutdown()
+        log.info("worker %s drained; %d requests handed back", self.worker_id, len(leftover))
+
+    # ---- taking work ----------------------------------------------------------------------------------
+
+    async def _read_loop(self) -> None:
+        while True:
+            free = self._free_slots()
+            if not free:
+                self._slot_freed.clear()
+                await self._slot_freed.wait()
+                continue
+            self._start(await streams.read_new(self.redis, self.stream, p.WORKER_GROUP, self.worker_id, free, 1000))
+
+    async def _janitor_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.streams.janitor_interval_s)
+            free = self._free_slots()
+            if free:
+                claimed = await streams.claim_stale(self.redis, self.stream, p.WORKER_GROUP, self.worker_id,
+                                                    self.streams, free)
+                self._start(await self._dead_letter_exhausted(claimed))
+
+    async def _dead_letter_exhausted(self, claimed: list[streams.Delivery]) -> list[streams.Delivery]:
+        fresh = []
+        for delivery in claimed:
+            if delivery.deliveries > self.streams.max_deliveries:
+                await streams.dead_letter(self.redis, self.stream, p.WORKER_GROUP, delivery,
+                                          "its workers kept failing", _parse(delivery), self.streams)
+            else:
+                fresh.append(delivery)
+        return fresh
+
+    def _free_slots(self) -> int:
+        return max(0, self.settings.max_num_seqs - len(self.inflight))
+
+    def _start(self, deliveries: list[streams.Delivery]) -> None:
+        for delivery in deliveries:
+            request = _parse(delivery)
+            if request is None:
+                asyncio.create_task(self.redis.xack(self.stream, p.WORKER_GROUP, delivery.entry_id))
+                continue
+            task = asyncio.create_task(self._serve(delivery, request))
+            self.inflight[request.request_id] = (delivery.entry_id, task)
+
+    # ---- serving one request --------------------------------------------------------------------------
+
+    async def _serve(self, delivery: streams.Delivery, request: p.GenerateRequest) -> None:
+        rid = request.request_id
+        try:
+            if await self.redis.exists(p.cancel_key(rid)):
+                await self.redis.xack(self.stream, p.WORKER_GROUP, delivery.entry_id)
+                return
+            history = ReplyHistory.of(await streams.reply_history(self.redis, rid)) if delivery.deliveries > 1 \
+                else ReplyHistory()
+            if history.closed:
+                await self.redis.xack(self.stream, p.WORKER_GROUP, delivery.entry_id)
+                return
+            await self._generate(delivery, request, history)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # one request's failure is its own: reported, acknowledged, never retried
+            log.exception("request %s failed", rid)
+            error = p.ErrorBody(message=f"worker error: {exc}", type="server_error", status=500)
+            await self._close(delivery, rid, [p.ReplyChunk(kind="error", error=error, worker_id=self.worker_id)])
+        finally:
+            self.inflight.pop(rid, None)
+            self._slot_freed.set()
+
+    async def _generate(self, delivery: streams.Delivery, request: p.GenerateRequest, history: ReplyHistory) -> None:
+        rid, engine = request.request_id, self.engine.engine
+        try:
+            ids = prompt_ids(engine, request)
+            params = sampling_params(engine, request, len(ids))
+        except InvalidRequestError as err:
+            error = p.ErrorBody(message=str(err), param=err.param, code="invalid_request", status=400)
+            await self._close(delivery, rid, [p.ReplyChunk(kind="error", error=error, worker_id=self.worker_id)])
+            return
+        if history.started is None:
+            started = p.ReplyChunk(kind="started", worker_id=self.worker_id, model=self.info.name,
+                                   prompt_tokens=len(ids), traceparent=request.traceparent)
+            await streams.publish_replies(self.redis, rid, [started], self.streams)
+        clock = _Clock(request.enqueued_at, history.first_delta_at)
+        positions = {i: len(c.token_ids) for i, c in history.choices.items()}
+        finish_reasons = {i: c.finish_reason for i, c in history.choices.items()}
+        resume = history.resume(params.n)
+        engine_seconds = 0.0
+        if resume != []:  # [] : every sample had finished before the last worker died
+            engine_seconds = await self._relay(rid, ids, params, resume, positions, finish_reasons, clock)
+        usage = p.Usage(prompt_tokens=len(ids), completion_tokens=sum(positions.values()))
+        timing = clock.timing(usage.completion_tokens, engine_seconds)
+        finished = p.ReplyChunk(kind="finished", worker_id=self.worker_id, model=self.info.name, usage=usage,
+                                timing=timing)
+        event = p.CompletionEvent(request_id=rid, model=self.info.name, worker_id=self.worker_id,
+                                  api_key_name=request.api_key_name, user=request.user,
+                                  finish_reasons=[finish_reasons.get(i) for i in range(params.n)], usage=usage,
+                                  timing=timing, routing=request.routing, deliveries=delivery.deliveries,
+                                  traceparent=request.traceparent)
+        await self._close(delivery, rid, [finished], event)
+
+    async def _relay(self, rid: str, ids: list[int], params, resume, positions: dict[int, int],
+                     finish_reasons: dict[int, str | None], clock: _Clock) -> float:
+        """Engine deltas to the reply stream, numbered by position per sample; returns the engine's step time."""
+        engine, engine_seconds = self.engine.engine, 0.0
+        # aclosing: a cancel that lands while a chunk is being published must still abort the request.
+        async with contextlib.aclosing(self.engine.generate(rid, ids, params, resume=resume)) as outputs:
+            async for out in outputs:
+                clock.token()
+                chunks = []
+                for delta in out.outputs:
+                    position = positions.get(delta.index, 0)
+                    positions[delta.index] = position + len(delta.token_ids)
+                    finish_reasons[delta.index] = delta.finish_reason
+                    chunks.append(p.ReplyChunk(kind="delta", index=delta.index, position=position,
+                                               token_ids=delta.token_ids, text=delta.text,
+                                               finish_reason=delta.finish_reason,
+                                               logprobs=logprob_entries(engine, delta, params.logprobs or 0)))
+                engine_seconds = out.engine_seconds
+                await streams.publish_replies(self.redis, rid, chunks, self.streams)
+        return engine_seconds
+
+    async def _close(self, delivery: streams.Delivery, request_id: str, chunks: list[p.ReplyChunk],
+                     event: p.CompletionEvent | None = None) -> None:
+        """The final chunk first, then the acknowledgement: a crash between them repeats nothing visible."""
+        await streams.publish_replies(self.redis, request_id, chunks, self.streams)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            if event is not None:
+                pipe.xadd(p.EVENTS_STREAM, event.encode(), maxlen=self.streams.stream_maxlen, approximate=True)
+            pipe.xack(self.stream, p.WORKER_GROUP, delivery.entry_id)
+            await pipe.execute()
+
+    # ---- liveness and cancellation --------------------------------------------------------------------
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.heartbeat_interval_s)
+            await self._heartbeat()
+
+    async def _heartbeat(self) -> None:
+        stats = self.engine.engine.stats()
+        status = p.WorkerStatus(worker_id=self.worker_id, model=self.info.name,
+                                running=int(stats["num_requests_running"]), waiting=int(stats["num_requests_waiting"]),
+                                kv_blocks_used=int(stats["kv_blocks_used"]),
+                                kv_blocks_total=int(stats["kv_blocks_total"]), draining=self.draining,
+                                metrics_port=self.metrics_port, updated_at=time.time())
+        ttl = self.settings.heartbeat_ttl_s
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.set(p.heartbeat_key(self.info.name, self.worker_id), status.model_dump_json(), px=int(ttl * 1000))
+            if not self.draining:
+                pipe.zadd(p.workers_key(self.info.name), {self.worker_id: time.time() + ttl})
+            await pipe.execute()
+        await streams.refresh(self.redis, self.stream, p.WORKER_GROUP, self.worker_id,
+                              [entry_id for entry_id, _ in self.inflight.values()])
+
+    async def _cancel_loop(self) -> None:
+        async with self.redis.pubsub(ignore_subscribe_messages=True) as pubsub:
+            await pubsub.subscribe(p.CANCEL_CHANNEL)
+            while True:
+                # Polled with a timeout: a blocking listen would hit the client's socket timeout when idle.
+                message = await pubsub.get_message(timeout=streams.BLOCK_MS / 1000)
+                if message and (entry := self.inflight.get(message["data"])):
+                    entry[1].cancel()  # generate()'s exit aborts the request and frees its blocks
+                    with contextlib.suppress(Exception):
+                        await self.redis.xack(self.stream, p.WORKER_GROUP, entry[0])
+
+
+class _Clock:
+    """Wall-clock times of one request, from its enqueueing at the gateway (seconds since the epoch)."""
+
+    def __init__(self, enqueued_at: float, first_token_at: float | None):
+        self.enqueued_at = enqueued_at
+        self.admitted_at = time.time()
+        self.first_token_at = first_token_at
+
+    def token(self) -> None:
+        self.first_token_at = self.first_token_at or time.time()
+
+    def timing(self, completion_tokens: int, engine_step_s: float) -> p.Timing:
+        now = time.time()
+        first = self.first_token_at or now
+        tpot = (now - first) / (completion_tokens - 1) if completion_tokens > 1 else 0.0
+        return p.Timing(queue_s=self.admitted_at - self.enqueued_at, ttft_s=first - self.enqueued_at, tpot_s=tpot,
+                        e2e_s=now - self.enqueued_at, engine_s=now - self.admitted_at, engine_step_s=engine_step_s)
+
+
+def _parse(delivery: streams.Delivery) -> p.GenerateRequest | None:
+    try:
+        return p.decode(p.GenerateRequest, delivery.fields)
+    except ValueError:
+        log.error("dropping malformed work entry %s", delivery.entry_id)
+        return None

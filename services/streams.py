@@ -1,0 +1,128 @@
+"""Consumer-group plumbing shared by the router and the workers: groups, claiming a dead consumer's
+entries, dead-lettering, and reply streams."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+
+from . import protocol as p
+from .settings import StreamSettings
+
+# Longest blocking read: under redis-py's socket timeout (5 s by default), which would cut a longer one.
+BLOCK_MS = 1000
+
+
+async def ensure_group(redis: aioredis.Redis, stream: str, group: str) -> None:
+    try:
+        await redis.xgroup_create(stream, group, id="0", mkstream=True)
+    except ResponseError as exc:
+        if "BUSYGROUP" not in str(exc):
+            raise
+
+
+@dataclass
+class Delivery:
+    entry_id: str
+    fields: dict
+    deliveries: int
+
+
+async def read_new(redis: aioredis.Redis, stream: str, group: str, consumer: str, count: int,
+                   block_ms: int) -> list[Delivery]:
+    reply = await redis.xreadgroup(group, consumer, {stream: ">"}, count=count, block=block_ms)
+    return [Delivery(entry_id, fields, 1) for _, entries in reply or [] for entry_id, fields in entries]
+
+
+async def claim_stale(redis: aioredis.Redis, stream: str, group: str, consumer: str, settings: StreamSettings,
+                      count: int) -> list[Delivery]:
+    """Entries pending longer than `claim_idle_ms` without their owner refreshing them (see `refresh`):
+    the owner died. Their delivery counts come from XPENDING, after the claim counted this delivery."""
+    _, claimed, *_ = await redis.xautoclaim(stream, group, consumer, settings.claim_idle_ms, "0-0", count=count)
+    claimed = [(entry_id, fields) for entry_id, fields in claimed if fields is not None]  # trimmed away
+    if not claimed:
+        return []
+    counts = {}
+    for entry_id, _ in claimed:
+        info = await redis.xpending_range(stream, group, min=entry_id, max=entry_id, count=1)
+        counts[entry_id] = info[0]["times_delivered"] if info else 1
+    return [Delivery(entry_id, fields, counts[entry_id]) for entry_id, fields in claimed]
+
+
+async def refresh(redis: aioredis.Redis, stream: str, group: str, consumer: str, entry_ids: list[str]) -> None:
+    """Reset the idle time of entries this consumer still works on, so no janitor takes them.
+    JUSTID leaves the delivery count alone."""
+    if entry_ids:
+        await redis.xclaim(stream, group, consumer, 0, entry_ids, justid=True)
+
+
+async def hand_back(redis: aioredis.Redis, stream: str, group: str, consumer: str, entry_ids: list[str],
+                    settings: StreamSettings) -> None:
+    """Mark entries as long idle so the next janitor pass of any live consumer takes them (graceful drain)."""
+    if entry_ids:
+        await redis.xclaim(stream, group, consumer, 0, entry_ids, idle=settings.claim_idle_ms * 10, justid=True)
+
+
+async def dead_letter(redis: aioredis.Redis, stream: str, group: str, delivery: Delivery, reason: str,
+                      request: p.GenerateRequest | None, settings: StreamSettings) -> None:
+    letter = p.DeadLetter(request_id=request.request_id if request else "", stream=stream,
+                          entry_id=delivery.entry_id, deliveries=delivery.deliveries, reason=reason, request=request,
+                          traceparent=request.traceparent if request else None)
+    async with redis.pipeline(transaction=True) as pipe:
+        pipe.xadd(p.DEAD_LETTER_STREAM, letter.encode(), maxlen=settings.stream_maxlen, approximate=True)
+        pipe.xack(stream, group, delivery.entry_id)
+        if request is not None:
+            error = p.ErrorBody(message=f"request failed after {delivery.deliveries} deliveries: {reason}",
+                                type="server_error", code="dead_letter", status=500)
+            _add_reply(pipe, request.request_id, p.ReplyChunk(kind="error", error=error), settings)
+        await pipe.execute()
+
+
+def _add_reply(pipe, request_id: str, chunk: p.ReplyChunk, settings: StreamSettings) -> None:
+    key = p.reply_stream(request_id)
+    pipe.xadd(key, chunk.encode())
+    pipe.expire(key, settings.reply_ttl_s)
+
+
+async def publish_replies(redis: aioredis.Redis, request_id: str, chunks: list[p.ReplyChunk],
+                          settings: StreamSettings) -> None:
+    async with redis.pipeline(transaction=False) as pipe:
+        for chunk in chunks:
+            _add_reply(pipe, request_id, chunk, settings)
+        await pipe.execute()
+
+
+async def reply_history(redis: aioredis.Redis, request_id: str) -> list[tuple[str, p.ReplyChunk]]:
+    entries = await redis.xrange(p.reply_stream(request_id))
+    return [(entry_id, p.decode(p.ReplyChunk, fields)) for entry_id, fields in entries]
+
+
+async def follow_replies(redis: aioredis.Redis, request_id: str, timeout_s: float,
+                         last_id: str = "0-0") -> AsyncIterator[p.ReplyChunk]:
+    """Reply chunks as they arrive, each choice's tokens exactly once (a resumed worker may repeat what
+    the dead one published; positions tell). Ends after "finished" or "error"; TimeoutError if silent."""
+    key, next_position = p.reply_stream(request_id), {}
+    deadline = time.monotonic() + timeout_s
+    while True:
+        wait_ms = int(max(1.0, (deadline - time.monotonic()) * 1000))
+        reply = await redis.xread({key: last_id}, block=min(wait_ms, BLOCK_MS))
+        if not reply:
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"no reply for request {request_id} within {timeout_s:.0f} s")
+            continue
+        deadline = time.monotonic() + timeout_s
+        for entry_id, fields in reply[0][1]:
+            last_id = entry_id
+            chunk = p.decode(p.ReplyChunk, fields)
+            if chunk.kind == "delta":
+                expected = next_position.get(chunk.index, 0)
+                if chunk.position < expected:
+                    continue
+                next_position[chunk.index] = chunk.position + len(chunk.token_ids)
+            yield chunk
+            if chunk.kind in ("finished", "error"):
+                return

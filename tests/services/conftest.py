@@ -1,0 +1,113 @@
+"""A running stack for the service tests: real Redis (REDIS_URL, else embedded), the gateway, the router
+and two workers of the small built-in model as separate processes, as `tokenfleet up` runs them."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass, field
+
+import openai
+import pytest
+import redis as sync_redis
+
+from services import protocol as p
+from services.redis_client import EmbeddedRedis
+from services.stack import wait_ready
+
+MODEL = "tokenfleet-small"
+API_KEY = "tf-test-key"
+# Exactness is checked in float32 (see DEVELOPERS.md); delivery rules tightened so failover tests are quick.
+STACK_ENV = {
+    "TOKENFLEET_WORKER_DTYPE": "float32",
+    "TOKENFLEET_WORKER_MAX_NUM_SEQS": "12",  # 20 concurrent requests spread over both workers
+    "TOKENFLEET_WORKER_KV_CACHE_MEMORY_BYTES": str(256 << 20),
+    "TOKENFLEET_WORKER_HEARTBEAT_INTERVAL_S": "0.3",
+    "TOKENFLEET_WORKER_HEARTBEAT_TTL_S": "1.5",
+    "TOKENFLEET_CLAIM_IDLE_MS": "1500",
+    "TOKENFLEET_JANITOR_INTERVAL_S": "0.3",
+    "TOKENFLEET_GATEWAY_DEV_KEY": API_KEY,
+    "OMP_NUM_THREADS": "1",
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Stack:
+    redis_url: str
+    url: str
+    small_queue_url: str  # a second gateway whose queue depth is 2
+    env: dict[str, str]
+    workers: list[subprocess.Popen] = field(default_factory=list)
+    others: list[subprocess.Popen] = field(default_factory=list)
+
+    def client(self, base: str | None = None, **kwargs) -> openai.OpenAI:
+        return openai.OpenAI(base_url=(base or self.url) + "/v1", api_key=API_KEY, **kwargs)
+
+    def redis(self) -> sync_redis.Redis:
+        return sync_redis.Redis.from_url(self.redis_url, decode_responses=True)
+
+    def start_worker(self) -> subprocess.Popen:
+        proc = subprocess.Popen([sys.executable, "-m", "services.cli", "worker", "--model", MODEL, "--tier", "small"],
+                                env=self.env)
+        self.workers.append(proc)
+        return proc
+
+    def worker_statuses(self) -> list[p.WorkerStatus]:
+        r = self.redis()
+        return [p.WorkerStatus.model_validate_json(raw) for key in r.scan_iter(f"{p.PREFIX}:heartbeat:{MODEL}:*")
+                if (raw := r.get(key))]
+
+
+@pytest.fixture(scope="session")
+def redis_url():
+    url = os.environ.get("REDIS_URL")
+    if url:
+        yield url
+        return
+    embedded = EmbeddedRedis()
+    yield embedded.url
+    embedded.close()
+
+
+@pytest.fixture(scope="session")
+def stack(redis_url):
+    sync_redis.Redis.from_url(redis_url).flushdb()
+    env = {**os.environ, **STACK_ENV, "REDIS_URL": redis_url}
+    port, small_port = _free_port(), _free_port()
+    stack = Stack(redis_url, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{small_port}", env)
+    cli = [sys.executable, "-m", "services.cli"]
+    stack.others = [
+        subprocess.Popen(cli + ["gateway", "--port", str(port)], env=env),
+        subprocess.Popen(cli + ["gateway", "--port", str(small_port)],
+                         env={**env, "TOKENFLEET_GATEWAY_MAX_QUEUE_DEPTH": "2"}),
+        subprocess.Popen(cli + ["router"], env=env),
+    ]
+    stack.start_worker()
+    stack.start_worker()
+    try:
+        assert wait_ready(stack.url, {MODEL}, stack.others, 300), "the stack did not come up"
+        assert wait_ready(stack.small_queue_url, {MODEL}, stack.others, 60)
+        yield stack
+    finally:
+        for proc in stack.others + stack.workers:
+            proc.terminate()
+        for proc in stack.others + stack.workers:
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+@pytest.fixture(scope="session")
+def reference_llm():
+    from gpu_worker.engine import LLM
+
+    return LLM(model=MODEL, dtype="float32", kv_cache_memory_bytes=128 << 20)

@@ -1,0 +1,171 @@
+"""docker-compose.yml: a valid file whose tokenfleet services run real `tokenfleet` commands on the GPU they need."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+COMPOSE_FILE = ROOT / "docker-compose.yml"
+PROMETHEUS_FILE = ROOT / "infra" / "prometheus" / "prometheus.yml"
+TOKENFLEET_IMAGE = "tokenfleet"  # the image built from infra/docker/Dockerfile; its entrypoint is `tokenfleet`
+TOKENFLEET_SERVICES = ["gateway", "router", "worker-small", "worker-large"]
+GPU_WORKERS = ["worker-small", "worker-large"]
+WORKER_DRAIN_TIMEOUT_S = 30
+TOP_LEVEL_KEYS = {"services", "volumes", "networks", "configs", "secrets", "name"}
+
+
+def _compose() -> dict:
+    with COMPOSE_FILE.open() as f:
+        return yaml.safe_load(f)
+
+
+COMPOSE = _compose()
+SERVICES: dict[str, dict] = COMPOSE["services"]
+
+
+def _image_name(service: dict) -> str:
+    """`tokenfleet` for `tokenfleet:latest` or `registry:5000/tokenfleet@sha256:…`: the repository's last part."""
+    image = service.get("image", "").split("@")[0]
+    last = image.rsplit("/", 1)[-1]
+    return last.split(":")[0]
+
+
+def _uses_tokenfleet_image(service: dict) -> bool:
+    return _image_name(service) == TOKENFLEET_IMAGE
+
+
+def _command(service: dict) -> list[str]:
+    command = service.get("command", [])
+    return shlex.split(command) if isinstance(command, str) else [str(arg) for arg in command]
+
+
+def _environment(service: dict) -> dict[str, str | None]:
+    env = service.get("environment") or {}
+    if isinstance(env, list):
+        return {k: v for k, _, v in (item.partition("=") for item in env)}
+    return {k: None if v is None else str(v) for k, v in env.items()}
+
+
+def _volume_mounts(service: dict) -> list[tuple[str, str]]:
+    """(source, target) of each mount, short syntax (`models:/models:ro`) or long (`{source, target}`)."""
+    mounts = []
+    for volume in service.get("volumes", []):
+        if isinstance(volume, str):
+            source, _, rest = volume.partition(":")
+            mounts.append((source, rest.split(":")[0]) if rest else ("", source))
+        else:
+            mounts.append((volume.get("source", ""), volume["target"]))
+    return mounts
+
+
+def _is_named_volume(source: str) -> bool:
+    return bool(source) and not source.startswith((".", "/", "~", "$"))
+
+
+def _seconds(duration: str | int) -> float:
+    """A compose duration (`40s`, `1m30s`, `500ms`) in seconds."""
+    if isinstance(duration, int | float):
+        return float(duration)
+    parts = re.findall(r"(\d+(?:\.\d+)?)(us|ms|s|m|h)", duration)
+    assert parts and "".join(n + u for n, u in parts) == duration, f"not a duration: {duration!r}"
+    scale = {"us": 1e-6, "ms": 1e-3, "s": 1, "m": 60, "h": 3600}
+    return sum(float(n) * scale[u] for n, u in parts)
+
+
+def _compose_cli() -> list[str] | None:
+    """`docker compose` (v2 plugin) or `docker-compose`, whichever answers `version`; None when neither does."""
+    for cli in (["docker", "compose"], ["docker-compose"]):
+        try:
+            proc = subprocess.run([*cli, "version"], capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        if proc.returncode == 0:
+            return cli
+    return None
+
+
+def test_docker_compose_config_accepts_the_file():
+    cli = _compose_cli()
+    if cli is None:
+        pytest.skip("neither `docker compose` nor `docker-compose` is installed here; "
+                    "test_compose_file_is_structurally_valid checks the file instead")
+    proc = subprocess.run([*cli, "-f", str(COMPOSE_FILE), "config", "-q"], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_compose_file_is_structurally_valid():
+    unknown = {key for key in COMPOSE if key not in TOP_LEVEL_KEYS and not key.startswith("x-")}
+    assert not unknown, f"unknown top-level keys: {unknown}"
+    declared_volumes = set(COMPOSE.get("volumes") or {})
+    for name, service in SERVICES.items():
+        assert "image" in service or "build" in service, f"{name}: neither image nor build"
+        if "build" in service:
+            build = service["build"]
+            context = ROOT / (build if isinstance(build, str) else build.get("context", "."))
+            dockerfile = "Dockerfile" if isinstance(build, str) else build.get("dockerfile", "Dockerfile")
+            assert (context / dockerfile).is_file(), f"{name}: no {dockerfile} in {context}"
+        depends_on = service.get("depends_on", [])
+        missing = set(depends_on) - set(SERVICES)
+        assert not missing, f"{name} depends on undefined services {missing}"
+        for source, _ in _volume_mounts(service):
+            if _is_named_volume(source):
+                assert source in declared_volumes, f"{name}: volume {source!r} is not declared"
+            elif source.startswith("."):
+                assert (ROOT / source).exists(), f"{name}: bind-mount source {source} does not exist"
+        for port in service.get("ports", []):
+            assert isinstance(port, str) and re.fullmatch(r"(\d+(-\d+)?:)?\d+(-\d+)?(/(tcp|udp))?", port), \
+                f"{name}: port {port!r} should be a quoted string like \"8000:8000\""
+
+
+@pytest.mark.parametrize("name", sorted(set(TOKENFLEET_SERVICES) | {
+    name for name, service in SERVICES.items() if _uses_tokenfleet_image(service)}))
+def test_tokenfleet_service_command_is_a_valid_cli_invocation(name):
+    from services.cli import build_parser
+
+    service = SERVICES.get(name)
+    assert service is not None, f"docker-compose.yml has no {name} service"
+    assert _uses_tokenfleet_image(service), f"{name} does not run the {TOKENFLEET_IMAGE} image"
+    command = _command(service)
+    assert command, f"{name} has no command (the entrypoint `tokenfleet` needs a subcommand)"
+    try:
+        args = build_parser().parse_args(command)
+    except SystemExit as exc:
+        pytest.fail(f"`tokenfleet {shlex.join(command)}` is rejected by the CLI (exit {exc.code})")
+    assert args.command == command[0]
+
+
+@pytest.mark.parametrize("name", GPU_WORKERS)
+def test_gpu_worker_reserves_an_nvidia_gpu_and_mounts_the_models_volume(name):
+    service = SERVICES[name]
+    devices = service["deploy"]["resources"]["reservations"]["devices"]
+    assert any(d.get("driver") == "nvidia" and "gpu" in d.get("capabilities", [])
+               and (d.get("count", 0) == "all" or int(d.get("count", 0)) >= 1 or d.get("device_ids"))
+               for d in devices), devices
+    assert _environment(service).get("TOKENFLEET_WORKER_DEVICE") == "cuda"
+    cache_dir = _environment(service).get("TOKENFLEET_CACHE_DIR")
+    assert ("models", cache_dir) in _volume_mounts(service), \
+        f"{name}: the models volume should be mounted at TOKENFLEET_CACHE_DIR ({cache_dir})"
+
+
+@pytest.mark.parametrize("name", GPU_WORKERS)
+def test_worker_gets_longer_to_stop_than_its_drain_timeout(name):
+    assert SERVICES[name].get("restart") == "unless-stopped"
+    assert _seconds(SERVICES[name].get("stop_grace_period", "10s")) > WORKER_DRAIN_TIMEOUT_S
+
+
+def test_prometheus_scrapes_the_gateway_and_every_worker_metrics_port():
+    with PROMETHEUS_FILE.open() as f:
+        config = yaml.safe_load(f)
+    targets = {target for job in config["scrape_configs"] for group in job.get("static_configs", [])
+               for target in group["targets"]}
+    gateway_command = _command(SERVICES["gateway"])
+    expected = {f"gateway:{gateway_command[gateway_command.index('--port') + 1]}"}
+    expected |= {f"{name}:{_environment(SERVICES[name])['TOKENFLEET_WORKER_METRICS_PORT']}" for name in GPU_WORKERS}
+    assert expected <= targets, f"not scraped: {expected - targets}"
