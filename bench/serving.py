@@ -54,6 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=16, help="max_tokens of each request (temperature 0)")
     p.add_argument("--slo", type=_slo_arg, default={},
                    help="goodput SLOs in ms, e.g. ttft_ms=200,tpot_ms=50,e2e_ms=2000")
+    p.add_argument("--warmup", type=int, default=16, help="untimed requests sent first, all at once")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", dest="json_path", default=None, help="also write the figures as JSON here")
 
@@ -249,6 +250,9 @@ async def run(args: argparse.Namespace) -> dict:
                                   args.api_key)
 
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=30.0), limits=limits) as client:
+        # Warm-up, as vLLM's bench serve does: first requests pay one-time costs (connections, caches).
+        warmup = [one(client, prompt) for prompt in synthetic_prompts(args.warmup, args.input_len, args.seed + 1)]
+        await asyncio.gather(*warmup)
         start, tasks = time.perf_counter(), []
         for prompt, at in zip(prompts, arrivals, strict=True):
             await asyncio.sleep(max(0.0, start + at - time.perf_counter()))

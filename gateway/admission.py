@@ -31,16 +31,22 @@ class Admission:
         self.tiers = (tiers.small_model, tiers.large_model)
 
     async def admit(self, model: str, request_id: str) -> None:
-        """Raises `RequestError` (404, 503 or 429 with Retry-After); else counts the request in flight."""
-        targets = await self._targets(model)
-        if not any([await alive_workers(self.redis, m) for m in targets]):
-            raise self._refusal(503, f"no worker of model '{model}' is alive; retry shortly", "no_worker")
-        key = inflight_key(model)
-        now = time.time()
-        async with self.redis.pipeline(transaction=True) as pipe:
+        """Raises `RequestError` (404, 503 or 429 with Retry-After); else counts the request in flight.
+        One round trip reads everything the decision needs; a second records the admission."""
+        candidates = list(self.tiers) if model == p.AUTO_MODEL else [model]
+        key, now = inflight_key(model), time.time()
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hgetall(p.MODELS_KEY)
+            for candidate in candidates:
+                pipe.zcount(p.workers_key(candidate), now, "+inf")
             pipe.zremrangebyscore(key, "-inf", now - self.settings.request_timeout_s)  # left by a crashed gateway
             pipe.zcard(key)
-            _, depth = await pipe.execute()
+            served, *alive, _, depth = await pipe.execute()
+        if not any(c in served for c in candidates):
+            raise RequestError(p.ErrorBody(message=f"The model '{model}' does not exist", param="model",
+                                           code="model_not_found", status=404))
+        if not any(n for c, n in zip(candidates, alive, strict=True) if c in served):
+            raise self._refusal(503, f"no worker of model '{model}' is alive; retry shortly", "no_worker")
         if depth >= self.settings.max_queue_depth:
             raise self._refusal(429, f"model '{model}' has {depth} requests in flight (limit "
                                      f"{self.settings.max_queue_depth}); retry later", "queue_full")
@@ -48,18 +54,6 @@ class Admission:
 
     async def release(self, model: str, request_id: str) -> None:
         await self.redis.zrem(inflight_key(model), request_id)
-
-    async def _targets(self, model: str) -> list[str]:
-        models = await served_models(self.redis)
-        if model == p.AUTO_MODEL:
-            targets = [m for m in self.tiers if m in models]
-            if targets:
-                return targets
-        elif model in models:
-            return [model]
-        error = p.ErrorBody(message=f"The model '{model}' does not exist", type="invalid_request_error",
-                            param="model", code="model_not_found", status=404)
-        raise RequestError(error)
 
     def _refusal(self, status: int, message: str, code: str) -> RequestError:
         kind = "rate_limit_error" if status == 429 else "server_error"

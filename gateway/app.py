@@ -41,6 +41,32 @@ class GatewayMetrics:
                                  ["path"], registry=self.registry)
 
 
+class RequestStamp:
+    """ASGI middleware: `x-request-id` on every response, and each request's count and latency. Plain ASGI
+    rather than `@app.middleware("http")`, whose wrapper relays every SSE chunk through an extra task."""
+
+    def __init__(self, app, metrics: GatewayMetrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        request_id = uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+        started = time.perf_counter()
+
+        async def send_stamped(message):
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode())]
+                route = scope.get("route")
+                path = route.path if route else "unmatched"
+                self.metrics.requests.labels(path, str(message["status"])).inc()
+                self.metrics.latency.labels(path).observe(time.perf_counter() - started)
+            await send(message)
+
+        await self.app(scope, receive, send_stamped)
+
+
 class Gateway:
     """The handlers, over the components they share; `create_app` wires them to routes."""
 
@@ -54,18 +80,6 @@ class Gateway:
     async def register_dev_key(self) -> None:
         if self.settings.dev_key:
             await register_key(self.redis, "dev", self.settings.dev_key)
-
-    async def stamp(self, request: Request, call_next):
-        """`x-request-id` on every response, and the request's count and latency."""
-        request.state.request_id = uuid.uuid4().hex
-        started = time.perf_counter()
-        response = await call_next(request)
-        response.headers["x-request-id"] = request.state.request_id
-        route = request.scope.get("route")
-        path = route.path if route else "unmatched"
-        self.metrics.requests.labels(path, str(response.status_code)).inc()
-        self.metrics.latency.labels(path).observe(time.perf_counter() - started)
-        return response
 
     async def authenticated(self, request: Request) -> tuple[str, str]:
         found = await authenticate(self.redis, request.headers.get("authorization"))
@@ -135,7 +149,7 @@ def create_app(redis: aioredis.Redis, settings: GatewaySettings, tiers: RouterSe
                stream_settings: StreamSettings) -> FastAPI:
     gateway = Gateway(redis, settings, tiers, stream_settings)
     app = FastAPI(title="tokenfleet gateway", on_startup=[gateway.register_dev_key])
-    app.middleware("http")(gateway.stamp)
+    app.add_middleware(RequestStamp, metrics=gateway.metrics)
     app.add_exception_handler(RequestError, _request_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_api_route("/v1/chat/completions", gateway.chat_completions, methods=["POST"])

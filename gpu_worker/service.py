@@ -30,6 +30,7 @@ class Worker:
         self.redis, self.engine, self.info, self.worker_id = redis, engine, info, worker_id
         self.settings, self.streams = settings, stream_settings
         self.stream = p.work_stream(info.name)
+        self.replies = streams.ReplyPublisher(redis, stream_settings)
         self.metrics_port = metrics_port
         self.inflight: dict[str, tuple[str, asyncio.Task]] = {}  # request id -> (entry id, its task)
         self.draining = False
@@ -84,17 +85,8 @@ class Worker:
             if free:
                 claimed = await streams.claim_stale(self.redis, self.stream, p.WORKER_GROUP, self.worker_id,
                                                     self.streams, free)
-                self._start(await self._dead_letter_exhausted(claimed))
-
-    async def _dead_letter_exhausted(self, claimed: list[streams.Delivery]) -> list[streams.Delivery]:
-        fresh = []
-        for delivery in claimed:
-            if delivery.deliveries > self.streams.max_deliveries:
-                await streams.dead_letter(self.redis, self.stream, p.WORKER_GROUP, delivery,
-                                          "its workers kept failing", _parse(delivery), self.streams)
-            else:
-                fresh.append(delivery)
-        return fresh
+                self._start(await streams.dead_letter_exhausted(self.redis, self.stream, p.WORKER_GROUP, claimed,
+                                                                self.streams))
 
     def _free_slots(self) -> int:
         return max(0, self.settings.max_num_seqs - len(self.inflight))
@@ -144,7 +136,7 @@ class Worker:
         if history.started is None:
             started = p.ReplyChunk(kind="started", worker_id=self.worker_id, model=self.info.name,
                                    prompt_tokens=len(ids), traceparent=request.traceparent)
-            await streams.publish_replies(self.redis, rid, [started], self.streams)
+            await self.replies.publish(rid, [started])
         clock = _Clock(request.enqueued_at, history.first_delta_at)
         positions = {i: len(c.token_ids) for i, c in history.choices.items()}
         finish_reasons = {i: c.finish_reason for i, c in history.choices.items()}
@@ -181,13 +173,13 @@ class Worker:
                                                finish_reason=delta.finish_reason,
                                                logprobs=logprob_entries(engine, delta, params.logprobs or 0)))
                 engine_seconds = out.engine_seconds
-                await streams.publish_replies(self.redis, rid, chunks, self.streams)
+                await self.replies.publish(rid, chunks)
         return engine_seconds
 
     async def _close(self, delivery: streams.Delivery, request_id: str, chunks: list[p.ReplyChunk],
                      event: p.CompletionEvent | None = None) -> None:
         """The final chunk first, then the acknowledgement: a crash between them repeats nothing visible."""
-        await streams.publish_replies(self.redis, request_id, chunks, self.streams)
+        await self.replies.publish(request_id, chunks)
         async with self.redis.pipeline(transaction=True) as pipe:
             if event is not None:
                 pipe.xadd(p.EVENTS_STREAM, event.encode(), maxlen=self.streams.stream_maxlen, approximate=True)

@@ -56,7 +56,11 @@ def _run_service(serve, settings) -> int:
     import logging
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    asyncio.run(serve(settings, _redis_url()))
+    try:  # uvloop where installed: every hop of a request wakes an event loop
+        from uvloop import run
+    except ImportError:
+        run = asyncio.run
+    run(serve(settings, _redis_url()))
     return 0
 
 

@@ -54,7 +54,11 @@ def up(host: str, port: int, workers: list[tuple[str, str]], ready_timeout_s: fl
     cli = [sys.executable, "-m", "services.cli"]
     commands = [cli + ["gateway", "--host", host, "--port", str(port)], cli + ["router"]]
     commands += [cli + ["worker", "--model", model, "--tier", tier] for model, tier in workers]
-    procs = [subprocess.Popen(command, env=env) for command in commands]
+    # CPU workers share the machine: split its cores between them instead of oversubscribing (each torch
+    # thread pool spin-waits, and two pools on the same cores slow both and the gateway with them).
+    worker_env = {**env, "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1)
+                                                                                   // len(workers)))}
+    procs = [subprocess.Popen(command, env=worker_env if "worker" in command else env) for command in commands]
     url = f"http://{host}:{port}"
     try:
         if not wait_ready(url, {model for model, _ in workers}, procs, ready_timeout_s):

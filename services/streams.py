@@ -3,6 +3,7 @@ entries, dead-lettering, and reply streams."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -82,18 +83,53 @@ async def dead_letter(redis: aioredis.Redis, stream: str, group: str, delivery: 
         await pipe.execute()
 
 
+async def dead_letter_exhausted(redis: aioredis.Redis, stream: str, group: str, claimed: list[Delivery],
+                                settings: StreamSettings) -> list[Delivery]:
+    """Claimed requests delivered more than `max_deliveries` times go to the dead-letter stream (their client
+    gets an error); returns the others, to serve."""
+    fresh = []
+    for delivery in claimed:
+        if delivery.deliveries <= settings.max_deliveries:
+            fresh.append(delivery)
+            continue
+        try:
+            request = p.decode(p.GenerateRequest, delivery.fields)
+        except ValueError:
+            request = None
+        await dead_letter(redis, stream, group, delivery, "its workers kept failing", request, settings)
+    return fresh
+
+
 def _add_reply(pipe, request_id: str, chunk: p.ReplyChunk, settings: StreamSettings) -> None:
     key = p.reply_stream(request_id)
     pipe.xadd(key, chunk.encode())
     pipe.expire(key, settings.reply_ttl_s)
 
 
-async def publish_replies(redis: aioredis.Redis, request_id: str, chunks: list[p.ReplyChunk],
-                          settings: StreamSettings) -> None:
-    async with redis.pipeline(transaction=False) as pipe:
-        for chunk in chunks:
-            _add_reply(pipe, request_id, chunk, settings)
-        await pipe.execute()
+class ReplyPublisher:
+    """Writes reply chunks, coalescing what every request publishes in one event-loop tick into a single
+    pipelined round trip: a worker publishes a delta per request per engine step, and a round trip each kept
+    its event loop too busy to take new requests promptly (a few ms of added latency at 20 req/s)."""
+
+    def __init__(self, redis: aioredis.Redis, settings: StreamSettings):
+        self.redis, self.settings = redis, settings
+        self._pending: list[tuple[str, p.ReplyChunk]] = []
+        self._flush: asyncio.Task | None = None
+
+    async def publish(self, request_id: str, chunks: list[p.ReplyChunk]) -> None:
+        """Returns once the chunks are in Redis (in order, after anything this worker published before)."""
+        self._pending.extend((request_id, chunk) for chunk in chunks)
+        if self._flush is None:
+            self._flush = asyncio.create_task(self._write())
+        await asyncio.shield(self._flush)  # a cancelled publisher must not cancel the others' write
+
+    async def _write(self) -> None:
+        await asyncio.sleep(0)  # the other requests woken by the same engine step add theirs first
+        batch, self._pending, self._flush = self._pending, [], None
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for request_id, chunk in batch:
+                _add_reply(pipe, request_id, chunk, self.settings)
+            await pipe.execute()
 
 
 async def reply_history(redis: aioredis.Redis, request_id: str) -> list[tuple[str, p.ReplyChunk]]:

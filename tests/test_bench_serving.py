@@ -190,11 +190,11 @@ def test_run_from_args_prints_a_table_and_writes_the_same_figures_as_json(tmp_pa
     with sse_server_in_thread(STREAM) as (base, received):
         args = parser.parse_args(["--base-url", base, "--num-prompts", "4", "--request-rate", "50",
                                   "--max-concurrency", "2", "--input-len", "8", "--slo", "ttft_ms=5000",
-                                  "--json", str(tmp_path / "out.json")])
+                                  "--warmup", "3", "--json", str(tmp_path / "out.json")])
         assert serving.run_from_args(args) == 0
     summary = json.loads((tmp_path / "out.json").read_text())
     json.dumps(summary, allow_nan=False)  # strict JSON: no NaN or Infinity
-    assert summary["completed"] == 4 and summary["failed"] == 0 and len(received) == 4
+    assert summary["completed"] == 4 and summary["failed"] == 0 and len(received) == 3 + 4  # warm-up untimed
     assert all(len(body["messages"][0]["content"].split()) == 8 for _, body in received)
     assert summary["goodput"] == pytest.approx(summary["request_throughput"])
     assert summary["tokenfleet_field_share"] == 1.0

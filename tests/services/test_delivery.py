@@ -1,0 +1,80 @@
+"""Delivery rules on a real Redis: dead-lettering after K deliveries, graceful drain, hashed keys."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+import uuid
+
+import httpx
+
+from gateway.auth import authenticate, register_key
+from services import protocol as p
+from services import streams
+from services.redis_client import connect
+from services.settings import StreamSettings
+from tests.services.conftest import API_KEY, MODEL
+
+
+def test_a_request_delivered_more_than_k_times_is_dead_lettered_and_its_client_gets_an_error(redis_url):
+    settings = StreamSettings(max_deliveries=2, claim_idle_ms=0)
+    stream, request = f"test-work-{uuid.uuid4().hex}", p.GenerateRequest(
+        request_id=uuid.uuid4().hex, kind="completion", model="m", prompt="hi", sampling=p.SamplingOptions())
+
+    async def scenario():
+        redis = connect(redis_url)
+        await streams.ensure_group(redis, stream, p.WORKER_GROUP)
+        await redis.xadd(stream, request.encode())
+        served = await streams.read_new(redis, stream, p.WORKER_GROUP, "worker-a", 1, 100)
+        for owner in ("worker-b", "worker-c"):  # each takes it from a "dead" owner
+            claimed = await streams.claim_stale(redis, stream, p.WORKER_GROUP, owner, settings, 10)
+            served = await streams.dead_letter_exhausted(redis, stream, p.WORKER_GROUP, claimed, settings)
+        letters = [p.decode(p.DeadLetter, f) for _, f in await redis.xrange(p.DEAD_LETTER_STREAM)]
+        replies = [c async for c in streams.follow_replies(redis, request.request_id, 5)]
+        pending = (await redis.xpending(stream, p.WORKER_GROUP))["pending"]
+        await redis.delete(stream)
+        await redis.aclose()
+        return served, letters, replies, pending
+
+    served, letters, replies, pending = asyncio.run(scenario())
+    assert served == [] and pending == 0
+    letter = next(x for x in letters if x.request_id == request.request_id)
+    assert letter.deliveries == 3 and letter.request == request
+    assert replies[-1].kind == "error" and replies[-1].error.code == "dead_letter"
+
+
+def test_sigterm_lets_the_worker_finish_its_requests_before_it_exits(stack):
+    body = {"model": MODEL, "prompt": "Drain", "max_tokens": 300, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", stack.url + "/v1/completions", json=body, timeout=120,
+                      headers={"Authorization": f"Bearer {API_KEY}"}) as response:
+        lines = response.iter_lines()
+        next(lines)
+        started = p.decode(p.ReplyChunk, stack.redis().xrange(p.reply_stream(response.headers["x-request-id"]))[0][1])
+        worker = next(w for w in stack.workers if started.worker_id.endswith(f"-{w.pid}"))
+        worker.send_signal(signal.SIGTERM)
+        rest = [line for line in lines if line]
+    assert rest[-1] == "data: [DONE]"
+    assert '"completion_tokens":300' in rest[-2]
+    assert worker.wait(30) == 0
+    stack.start_worker()
+    deadline = time.monotonic() + 120
+    while not any(s.worker_id.endswith(f"-{stack.workers[-1].pid}") for s in stack.worker_statuses()):
+        assert time.monotonic() < deadline
+        time.sleep(0.3)
+
+
+def test_api_keys_are_stored_only_as_hashes(redis_url):
+    async def scenario():
+        redis = connect(redis_url)
+        key = await register_key(redis, "alice")
+        stored = await redis.hgetall(p.API_KEYS_KEY)
+        found = await authenticate(redis, f"Bearer {key}")
+        wrong = await authenticate(redis, f"Bearer {key}x")
+        await redis.aclose()
+        return key, stored, found, wrong
+
+    key, stored, found, wrong = asyncio.run(scenario())
+    assert all(key not in k and key not in v for k, v in stored.items())
+    assert found[1] == "alice" and wrong is None
