@@ -2,7 +2,6 @@
 PY ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
-PROMPT ?= Tell me about paged attention.
 
 .PHONY: setup up test bench
 setup: $(VENV)/.installed
@@ -16,7 +15,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 up: setup
-	$(BIN)/tokenfleet generate --model tokenfleet-small --chat --stream "$(PROMPT)"
+	$(BIN)/tokenfleet up
 
 # pytest exits 5 when it collects no test; that is not a failure of the suite.
 test: setup

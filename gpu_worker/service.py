@@ -50,18 +50,21 @@ class Worker:
     async def drain(self, loops: list[asyncio.Task]) -> None:
         """Stop taking work, let in-flight requests finish within the deadline, hand back the rest."""
         self.draining = True
-        loops[0].cancel()
-        loops[1].cancel()
-        tasks = [task for _, task in self.inflight.values()]
-        if tasks:
-            await asyncio.wait(tasks, timeout=self.settings.drain_timeout_s)
-        leftover = [entry_id for entry_id, _ in self.inflight.values()]
-        for _, task in list(self.inflight.values()):
-            task.cancel()
-        await streams.hand_back(self.redis, self.stream, p.WORKER_GROUP, self.worker_id, leftover, self.streams)
-        for loop in loops:
+        read, janitor, *_ = loops
+        read.cancel()
+        janitor.cancel()
+        if self.inflight:  # the heartbeat goes on meanwhile, keeping their entries ours
+            await asyncio.wait([task for _, task in self.inflight.values()], timeout=self.settings.drain_timeout_s)
+        for loop in loops:  # no refresh after this point: it would undo the hand-back
             loop.cancel()
-        await asyncio.gather(*loops, *tasks, return_exceptions=True)
+        await asyncio.gather(*loops, return_exceptions=True)
+        leftover = dict(self.inflight)
+        for _, task in leftover.values():
+            task.cancel()
+        await asyncio.gather(*(task for _, task in leftover.values()), return_exceptions=True)
+        await self.replies.flushed()  # the next owner resumes from what the reply streams hold
+        await streams.hand_back(self.redis, self.stream, p.WORKER_GROUP, self.worker_id,
+                                [entry_id for entry_id, _ in leftover.values()], self.streams)
         await self.redis.zrem(p.workers_key(self.info.name), self.worker_id)
         await self.redis.delete(p.heartbeat_key(self.info.name, self.worker_id))
         await self.engine.shutdown()
@@ -168,7 +171,8 @@ class Worker:
                     position = positions.get(delta.index, 0)
                     positions[delta.index] = position + len(delta.token_ids)
                     finish_reasons[delta.index] = delta.finish_reason
-                    chunks.append(p.ReplyChunk(kind="delta", index=delta.index, position=position,
+                    chunks.append(p.ReplyChunk(kind="delta", worker_id=self.worker_id, index=delta.index,
+                                               position=position,
                                                token_ids=delta.token_ids, text=delta.text,
                                                finish_reason=delta.finish_reason,
                                                logprobs=logprob_entries(engine, delta, params.logprobs or 0)))

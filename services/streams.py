@@ -114,14 +114,22 @@ class ReplyPublisher:
     def __init__(self, redis: aioredis.Redis, settings: StreamSettings):
         self.redis, self.settings = redis, settings
         self._pending: list[tuple[str, p.ReplyChunk]] = []
-        self._flush: asyncio.Task | None = None
+        self._flush: asyncio.Task | None = None  # the write still taking chunks
+        self._writes: set[asyncio.Task] = set()  # writes not yet done
 
     async def publish(self, request_id: str, chunks: list[p.ReplyChunk]) -> None:
         """Returns once the chunks are in Redis (in order, after anything this worker published before)."""
         self._pending.extend((request_id, chunk) for chunk in chunks)
         if self._flush is None:
             self._flush = asyncio.create_task(self._write())
+            self._writes.add(self._flush)
+            self._flush.add_done_callback(self._writes.discard)
         await asyncio.shield(self._flush)  # a cancelled publisher must not cancel the others' write
+
+    async def flushed(self) -> None:
+        """Returns once everything published so far is written (before handing work back)."""
+        while self._writes:
+            await asyncio.gather(*self._writes, return_exceptions=True)
 
     async def _write(self) -> None:
         await asyncio.sleep(0)  # the other requests woken by the same engine step add theirs first

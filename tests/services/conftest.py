@@ -54,15 +54,17 @@ class Stack:
     def redis(self) -> sync_redis.Redis:
         return sync_redis.Redis.from_url(self.redis_url, decode_responses=True)
 
-    def start_worker(self) -> subprocess.Popen:
-        proc = subprocess.Popen([sys.executable, "-m", "services.cli", "worker", "--model", MODEL, "--tier", "small"],
-                                env=self.env)
+    def start_worker(self, *flags: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+        """A worker of the small model, or of what `flags` say (`--model`, `--served-model-name`, ...)."""
+        flags = flags or ("--model", MODEL, "--tier", "small")
+        proc = subprocess.Popen([sys.executable, "-m", "services.cli", "worker", *flags],
+                                env={**self.env, **(env or {})})
         self.workers.append(proc)
         return proc
 
-    def worker_statuses(self) -> list[p.WorkerStatus]:
+    def worker_statuses(self, model: str = MODEL) -> list[p.WorkerStatus]:
         r = self.redis()
-        return [p.WorkerStatus.model_validate_json(raw) for key in r.scan_iter(f"{p.PREFIX}:heartbeat:{MODEL}:*")
+        return [p.WorkerStatus.model_validate_json(raw) for key in r.scan_iter(f"{p.PREFIX}:heartbeat:{model}:*")
                 if (raw := r.get(key))]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import time
 import uuid
@@ -78,3 +79,37 @@ def test_api_keys_are_stored_only_as_hashes(redis_url):
     key, stored, found, wrong = asyncio.run(scenario())
     assert all(key not in k and key not in v for k, v in stored.items())
     assert found[1] == "alice" and wrong is None
+
+
+def _wait_for_worker(stack, model: str, proc, timeout_s: float = 180) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not any(s.worker_id.endswith(f"-{proc.pid}") for s in stack.worker_statuses(model)):
+        assert time.monotonic() < deadline and proc.poll() is None, "the worker did not come up"
+        time.sleep(0.3)
+
+
+def test_work_a_draining_worker_cannot_finish_in_time_is_handed_back_and_completed_elsewhere(stack):
+    model, max_tokens = "handback", 1800  # long enough to outlast the second worker's start-up
+    flags = ("--model", "tokenfleet-large", "--served-model-name", model, "--dtype", "bfloat16")
+    leaving = stack.start_worker(*flags, env={"TOKENFLEET_WORKER_DRAIN_TIMEOUT_S": "0.5"})
+    _wait_for_worker(stack, model, leaving)
+    body = {"model": model, "prompt": "Hand me back", "max_tokens": max_tokens, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", stack.url + "/v1/completions", json=body, timeout=300,
+                      headers={"Authorization": f"Bearer {API_KEY}"}) as response:
+        lines = response.iter_lines()
+        received = [next(lines)]
+        staying = stack.start_worker(*flags)
+        _wait_for_worker(stack, model, staying)
+        leaving.send_signal(signal.SIGTERM)
+        received += list(lines)
+    assert leaving.wait(30) == 0
+    chunks = [json.loads(line[6:]) for line in received if line.startswith("data: {")]
+    assert chunks[-1]["usage"]["completion_tokens"] == max_tokens
+    replies = [p.decode(p.ReplyChunk, f) for _, f in stack.redis().xrange(p.reply_stream(
+        response.headers["x-request-id"]))]
+    served_by = {c.worker_id for c in replies if c.kind == "delta"}
+    assert served_by == {r.worker_id for r in replies if r.kind in ("started", "finished")}
+    assert len(served_by) == 2 and replies[-1].worker_id.endswith(f"-{staying.pid}")
+    positions = [c.position for c in replies if c.kind == "delta"]
+    assert positions == sorted(positions) and sum(len(c.token_ids) for c in replies if c.kind == "delta") == max_tokens
