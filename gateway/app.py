@@ -102,7 +102,7 @@ class Gateway:
             first = await self.idempotency.claim(key_hash, key, message)
             if first is not None:
                 return await self.relay.replay(req, first)
-        return await self.relay.run(req, message, idempotency_record=(key_hash, key) if key else None)
+        return await self.relay.run(req, message, (key_hash, key) if key else None, request.is_disconnected)
 
     async def chat_completions(self, request: Request) -> Response:
         return await self.generate(request, ChatCompletionRequest)

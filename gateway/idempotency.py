@@ -33,3 +33,7 @@ class Idempotency:
 
     async def store_result(self, key_hash: str, key: str, body: dict) -> None:
         await self.redis.set(p.idempotency_key(key_hash, key) + ":result", json.dumps(body), ex=self.ttl_s)
+
+    async def forget(self, key_hash: str, key: str) -> None:
+        """The first request was refused before it was enqueued (429, 503): a retry with the key must run."""
+        await self.redis.delete(p.idempotency_key(key_hash, key))

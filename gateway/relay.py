@@ -7,7 +7,8 @@ refuses (prompt past the context) still gets its 400 rather than an error inside
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -32,14 +33,25 @@ class Relay:
         self.settings, self.streams = settings, stream_settings
         self._background: set[asyncio.Task] = set()
 
-    async def run(self, req, message: p.GenerateRequest, idempotency_record: tuple[str, str] | None) -> Response:
+    async def run(self, req, message: p.GenerateRequest, idempotency_record: tuple[str, str] | None,
+                  is_disconnected: Callable[[], Awaitable[bool]]) -> Response:
         """`idempotency_record`: (key hash, Idempotency-Key) under which to keep the whole response."""
         rid = message.request_id
-        await self.admission.admit(req.model, rid)
+        try:
+            await self.admission.admit(req.model, rid)
+        except RequestError:
+            if idempotency_record:
+                await self.idempotency.forget(*idempotency_record)
+            raise
         try:
             await self.redis.xadd(p.REQUESTS_STREAM, message.encode(), maxlen=self.streams.stream_maxlen,
                                   approximate=True)
-            return await self._respond(req, rid, message.created, owner=True, store=idempotency_record)
+            return await _unless_client_leaves(
+                self._respond(req, rid, message.created, owner=True, store=idempotency_record), is_disconnected)
+        except _ClientGone:  # before the response started: nobody is left to answer
+            self._later(self.cancel(rid))
+            self._later(self.admission.release(req.model, rid))
+            return Response(status_code=499)
         except BaseException:
             self._later(self.admission.release(req.model, rid))
             raise
@@ -57,8 +69,10 @@ class Relay:
         builder = ResponseBuilder(kind, f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{rid}", created, first.model,
                                   req.include_usage, req.wants_logprobs)
         if req.stream:
-            return StreamingResponse(self._events(builder, replies, req, rid, owner), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+            progress = _StreamProgress()
+            return _RelayedStream(self._events(builder, replies, req, progress), media_type="text/event-stream",
+                                  headers={"Cache-Control": "no-cache"},
+                                  on_close=lambda: self._closed(req.model, rid, owner, progress))
         body = await self._collect(builder, replies, req.n)
         if owner:
             self._later(self.admission.release(req.model, rid))
@@ -85,9 +99,8 @@ class Relay:
                 return builder.response(chunk, n)
         raise RequestError(p.ErrorBody(message="the reply stream ended early", type="server_error", status=500))
 
-    async def _events(self, builder: ResponseBuilder, replies: AsyncIterator[p.ReplyChunk], req, rid: str,
-                      owner: bool) -> AsyncIterator[str]:
-        done = False
+    async def _events(self, builder: ResponseBuilder, replies: AsyncIterator[p.ReplyChunk], req,
+                      progress: _StreamProgress) -> AsyncIterator[str]:
         try:
             for obj in builder.role_chunks(req.n):
                 yield sse(obj)
@@ -97,25 +110,30 @@ class Relay:
                         yield sse(obj)
                 elif chunk.kind == "error":
                     yield sse(chunk.error.openai())
-                elif chunk.kind == "finished":
-                    yield sse(builder.final_chunk(chunk))
-            done = True
+                elif chunk.kind == "finished" and (final := builder.final_chunk(chunk)):
+                    yield sse(final)
         except TimeoutError as exc:
             yield sse(p.ErrorBody(message=str(exc), type="server_error", code="timeout").openai())
-            done = True
-        finally:
-            # The client may have gone: this generator is being cancelled, so the clean-up runs as its own task.
-            if owner:
-                if not done:
-                    self._later(self.cancel(rid))
-                self._later(self.admission.release(req.model, rid))
+        progress.done = True
         yield sse("[DONE]")
 
+    def _closed(self, model: str, rid: str, owner: bool, progress: _StreamProgress) -> None:
+        """After the response ended, however it ended (the client may have left before the first byte)."""
+        if owner:
+            if not progress.done:
+                self._later(self.cancel(rid))
+            self._later(self.admission.release(model, rid))
+
     async def cancel(self, request_id: str) -> None:
-        """Reaches a worker that holds the request now (pub/sub) or takes it later (the key)."""
+        """Reaches a worker that holds the request now (pub/sub) or takes it later (the key), and closes the
+        reply stream for anyone else following it (an Idempotency-Key replay)."""
+        error = p.ErrorBody(message="the request was cancelled: its client disconnected", type="server_error",
+                            code="cancelled", status=499)
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.set(p.cancel_key(request_id), 1, ex=self.streams.reply_ttl_s)
             pipe.publish(p.CANCEL_CHANNEL, request_id)
+            pipe.xadd(p.reply_stream(request_id), p.ReplyChunk(kind="error", error=error).encode())
+            pipe.expire(p.reply_stream(request_id), self.streams.reply_ttl_s)
             await pipe.execute()
 
     def _later(self, coro) -> None:
@@ -123,3 +141,42 @@ class Relay:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
+
+@dataclass
+class _StreamProgress:
+    done: bool = False  # the stream reached its end (not cut short by the client)
+
+
+class _RelayedStream(StreamingResponse):
+    """Runs `on_close` however the response ends: a generator that never started (the client left before
+    the first byte) runs no `finally`, and its admission slot and cancellation would be lost."""
+
+    def __init__(self, *args, on_close, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+class _ClientGone(Exception):
+    pass
+
+
+async def _unless_client_leaves(work: Awaitable[Response], is_disconnected: Callable[[], Awaitable[bool]],
+                                poll_s: float = 0.5) -> Response:
+    """`work`, unless the client disconnects first (it waited in the queue, or for a whole response, and
+    gave up): then `_ClientGone`, so the request is cancelled rather than generated for nobody."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=poll_s)
+            if done:
+                return task.result()
+            if await is_disconnected():
+                raise _ClientGone
+    finally:
+        task.cancel()

@@ -122,9 +122,11 @@ class ResponseBuilder:
         return {"index": chunk.index, "text": chunk.text, "logprobs": logprobs, "finish_reason": None}
 
     def final_chunk(self, final: p.ReplyChunk) -> dict | None:
-        """With include_usage: the usage chunk (`choices: []`). It, or an empty chunk, carries our timing."""
+        """With include_usage, the usage chunk (`choices: []`), which also carries our timing; without it,
+        nothing: OpenAI sends no chunk without choices then, and clients index `choices[0]`."""
+        if not self.include_usage:
+            return None
         body = self.chunk_object([])
-        if self.include_usage:
-            body["usage"] = usage_body(final.usage)
+        body["usage"] = usage_body(final.usage)
         body["tokenfleet"] = timing_body(final)
         return body

@@ -137,8 +137,8 @@ def parse(cls: type[_Common], body: Any) -> _Common:
         if body[name] not in (None, [], {}) and not (name == "response_format" and body[name] == {"type": "text"}):
             raise RequestError(p.ErrorBody(message=f"'{name}' is not supported by this server", param=name,
                                            code="unsupported_parameter"))
-    try:
-        return cls.model_validate({k: v for k, v in body.items() if k not in UNSUPPORTED})
+    try:  # null means "the default", as OpenAI reads it
+        return cls.model_validate({k: v for k, v in body.items() if k not in UNSUPPORTED and v is not None})
     except ValidationError as exc:
         first = exc.errors()[0]
         param = ".".join(str(part) for part in first["loc"]) or None

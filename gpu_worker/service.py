@@ -42,8 +42,8 @@ class Worker:
         await streams.ensure_group(self.redis, self.stream, p.WORKER_GROUP)
         await self.redis.hset(p.MODELS_KEY, self.info.name, self.info.model_dump_json())
         await self._heartbeat()
-        loops = [asyncio.create_task(coro) for coro in
-                 (self._read_loop(), self._janitor_loop(), self._heartbeat_loop(), self._cancel_loop())]
+        loops = [asyncio.create_task(streams.restarting(loop.__name__, loop, log)) for loop in
+                 (self._read_loop, self._janitor_loop, self._heartbeat_loop, self._cancel_loop)]
         await stop.wait()
         await self.drain(loops)
 
@@ -79,26 +79,26 @@ class Worker:
                 self._slot_freed.clear()
                 await self._slot_freed.wait()
                 continue
-            self._start(await streams.read_new(self.redis, self.stream, p.WORKER_GROUP, self.worker_id, free, 1000))
+            await self._start(await streams.read_new(self.redis, self.stream, p.WORKER_GROUP, self.worker_id, free,
+                                                     streams.BLOCK_MS))
 
     async def _janitor_loop(self) -> None:
+        claimer = streams.StaleClaimer(self.redis, self.stream, p.WORKER_GROUP, self.worker_id, self.streams)
         while True:
             await asyncio.sleep(self.streams.janitor_interval_s)
-            free = self._free_slots()
-            if free:
-                claimed = await streams.claim_stale(self.redis, self.stream, p.WORKER_GROUP, self.worker_id,
-                                                    self.streams, free)
-                self._start(await streams.dead_letter_exhausted(self.redis, self.stream, p.WORKER_GROUP, claimed,
-                                                                self.streams))
+            if free := self._free_slots():
+                claimed = await claimer.claim(free)
+                await self._start(await streams.dead_letter_exhausted(self.redis, self.stream, p.WORKER_GROUP,
+                                                                      claimed, self.streams))
 
     def _free_slots(self) -> int:
         return max(0, self.settings.max_num_seqs - len(self.inflight))
 
-    def _start(self, deliveries: list[streams.Delivery]) -> None:
+    async def _start(self, deliveries: list[streams.Delivery]) -> None:
         for delivery in deliveries:
             request = _parse(delivery)
-            if request is None:
-                asyncio.create_task(self.redis.xack(self.stream, p.WORKER_GROUP, delivery.entry_id))
+            if request is None or request.request_id in self.inflight:  # malformed, or a second copy
+                await self.redis.xack(self.stream, p.WORKER_GROUP, delivery.entry_id)
                 continue
             task = asyncio.create_task(self._serve(delivery, request))
             self.inflight[request.request_id] = (delivery.entry_id, task)
@@ -204,14 +204,19 @@ class Worker:
                                 kv_blocks_used=int(stats["kv_blocks_used"]),
                                 kv_blocks_total=int(stats["kv_blocks_total"]), draining=self.draining,
                                 metrics_port=self.metrics_port, updated_at=time.time())
-        ttl = self.settings.heartbeat_ttl_s
+        ttl, now = self.settings.heartbeat_ttl_s, time.time()
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.set(p.heartbeat_key(self.info.name, self.worker_id), status.model_dump_json(), px=int(ttl * 1000))
+            pipe.zremrangebyscore(p.workers_key(self.info.name), "-inf", now)  # workers that died
             if not self.draining:
-                pipe.zadd(p.workers_key(self.info.name), {self.worker_id: time.time() + ttl})
+                pipe.zadd(p.workers_key(self.info.name), {self.worker_id: now + ttl})
             await pipe.execute()
-        await streams.refresh(self.redis, self.stream, p.WORKER_GROUP, self.worker_id,
-                              [entry_id for entry_id, _ in self.inflight.values()])
+        lost = set(await streams.refresh(self.redis, self.stream, p.WORKER_GROUP, self.worker_id,
+                                         [entry_id for entry_id, _ in self.inflight.values()]))
+        for request_id, (entry_id, task) in list(self.inflight.items()):
+            if entry_id in lost:  # taken over while this worker stalled: the new owner serves it
+                log.warning("request %s was taken over by another worker; dropping it here", request_id)
+                task.cancel()
 
     async def _cancel_loop(self) -> None:
         async with self.redis.pubsub(ignore_subscribe_messages=True) as pubsub:

@@ -24,20 +24,25 @@ class Router:
 
     async def run(self, stop: asyncio.Event) -> None:
         await streams.ensure_group(self.redis, p.REQUESTS_STREAM, p.ROUTER_GROUP)
-        janitor = asyncio.create_task(self._janitor_loop())
+        janitor = asyncio.create_task(streams.restarting("router janitor", self._janitor_loop, log))
         try:
             while not stop.is_set():
-                got = await streams.read_new(self.redis, p.REQUESTS_STREAM, p.ROUTER_GROUP, self.router_id, 256, 500)
-                for delivery in got:
-                    await self.forward(delivery)
+                try:
+                    got = await streams.read_new(self.redis, p.REQUESTS_STREAM, p.ROUTER_GROUP, self.router_id, 256,
+                                                 500)
+                    for delivery in got:
+                        await self.forward(delivery)
+                except aioredis.RedisError:  # Redis restarting: what was read and not forwarded stays pending
+                    log.exception("reading the request stream failed; retrying")
+                    await asyncio.sleep(1.0)
         finally:
             janitor.cancel()
 
     async def _janitor_loop(self) -> None:
+        claimer = streams.StaleClaimer(self.redis, p.REQUESTS_STREAM, p.ROUTER_GROUP, self.router_id, self.streams)
         while True:
             await asyncio.sleep(self.streams.janitor_interval_s)
-            for delivery in await streams.claim_stale(self.redis, p.REQUESTS_STREAM, p.ROUTER_GROUP,
-                                                      self.router_id, self.streams, 256):
+            for delivery in await claimer.claim(256):
                 await self.forward(delivery)
 
     async def forward(self, delivery: streams.Delivery) -> None:
@@ -49,10 +54,8 @@ class Router:
             return
         model, reason = route(request, self.rule, await self._prompt_tokens(request), await self._alive(request))
         request.routing = p.RoutingDecision(model=model, reason=reason, decided_at=time.time())
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.xadd(p.work_stream(model), request.encode(), maxlen=self.streams.stream_maxlen, approximate=True)
-            pipe.xack(p.REQUESTS_STREAM, p.ROUTER_GROUP, delivery.entry_id)
-            await pipe.execute()
+        await streams.forward(self.redis, p.REQUESTS_STREAM, p.ROUTER_GROUP, delivery.entry_id, p.work_stream(model),
+                              request, self.streams)
 
     async def _alive(self, request: p.GenerateRequest) -> set[str]:
         if request.model != p.AUTO_MODEL:

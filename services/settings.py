@@ -26,7 +26,7 @@ class StreamSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TOKENFLEET_")
     stream_maxlen: int = 100_000  # approximate MAXLEN of the request, work and event streams
     reply_ttl_s: int = 600  # a reply stream expires this long after its last write
-    max_deliveries: int = 3  # a request delivered this many times goes to the dead-letter stream
+    max_deliveries: int = 3  # a request is served at most this many times; the next delivery dead-letters it
     claim_idle_ms: int = 3000  # pending this long with no refresh from its owner: the owner is presumed dead
     janitor_interval_s: float = 1.0
 

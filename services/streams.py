@@ -39,26 +39,83 @@ async def read_new(redis: aioredis.Redis, stream: str, group: str, consumer: str
     return [Delivery(entry_id, fields, 1) for _, entries in reply or [] for entry_id, fields in entries]
 
 
-async def claim_stale(redis: aioredis.Redis, stream: str, group: str, consumer: str, settings: StreamSettings,
-                      count: int) -> list[Delivery]:
-    """Entries pending longer than `claim_idle_ms` without their owner refreshing them (see `refresh`):
-    the owner died. Their delivery counts come from XPENDING, after the claim counted this delivery."""
-    _, claimed, *_ = await redis.xautoclaim(stream, group, consumer, settings.claim_idle_ms, "0-0", count=count)
-    claimed = [(entry_id, fields) for entry_id, fields in claimed if fields is not None]  # trimmed away
-    if not claimed:
+class StaleClaimer:
+    """Takes entries pending longer than `claim_idle_ms` without their owner refreshing them (see `refresh`):
+    the owner died. Walks the pending list with XAUTOCLAIM's cursor, so a few entries near its start cannot
+    hide the rest; entries trimmed from the stream while pending (Redis 6.2 returns them empty) are dropped."""
+
+    def __init__(self, redis: aioredis.Redis, stream: str, group: str, consumer: str, settings: StreamSettings):
+        self.redis, self.stream, self.group, self.consumer, self.settings = redis, stream, group, consumer, settings
+        self.cursor = "0-0"
+
+    async def claim(self, count: int) -> list[Delivery]:
+        reply = await self.redis.xautoclaim(self.stream, self.group, self.consumer, self.settings.claim_idle_ms,
+                                            self.cursor, count=count)
+        self.cursor, entries = reply[0], reply[1]
+        gone = [entry_id for entry_id, fields in entries if fields is None]
+        if gone:
+            await self.redis.xack(self.stream, self.group, *gone)
+        claimed = [(entry_id, fields) for entry_id, fields in entries if fields is not None]
+        deliveries = []
+        for entry_id, fields in claimed:  # the count after this claim, which XAUTOCLAIM added
+            info = await self.redis.xpending_range(self.stream, self.group, min=entry_id, max=entry_id, count=1)
+            deliveries.append(Delivery(entry_id, fields, info[0]["times_delivered"] if info else 1))
+        return deliveries
+
+
+# Refresh only what this consumer still owns: a plain XCLAIM would take back an entry a janitor has
+# already given to another consumer (after this one stalled), and two workers would serve one request.
+_REFRESH = """
+local lost = {}
+for i = 3, #ARGV do
+  local entry = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if entry[1] and entry[1][2] == ARGV[2] then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
+  else
+    table.insert(lost, ARGV[i])
+  end
+end
+return lost
+"""
+
+
+async def refresh(redis: aioredis.Redis, stream: str, group: str, consumer: str, entry_ids: list[str]) -> list[str]:
+    """Reset the idle time of entries this consumer still works on, so no janitor takes them (JUSTID leaves
+    the delivery count alone). Returns the ids it no longer owns: another consumer serves them now."""
+    if not entry_ids:
         return []
-    counts = {}
-    for entry_id, _ in claimed:
-        info = await redis.xpending_range(stream, group, min=entry_id, max=entry_id, count=1)
-        counts[entry_id] = info[0]["times_delivered"] if info else 1
-    return [Delivery(entry_id, fields, counts[entry_id]) for entry_id, fields in claimed]
+    return await redis.eval(_REFRESH, 1, stream, group, consumer, *entry_ids)
 
 
-async def refresh(redis: aioredis.Redis, stream: str, group: str, consumer: str, entry_ids: list[str]) -> None:
-    """Reset the idle time of entries this consumer still works on, so no janitor takes them.
-    JUSTID leaves the delivery count alone."""
-    if entry_ids:
-        await redis.xclaim(stream, group, consumer, 0, entry_ids, justid=True)
+# Move an entry from one stream to another only if this consumer's acknowledgement is the one that counts:
+# a router that stalled past `claim_idle_ms` must not forward what another router already forwarded.
+_FORWARD = """
+if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 1 then
+  return redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', ARGV[4], ARGV[5])
+end
+return false
+"""
+
+
+async def forward(redis: aioredis.Redis, source: str, group: str, entry_id: str, target: str, message: p.Message,
+                  settings: StreamSettings) -> bool:
+    """Acknowledge `entry_id` and add `message` to `target`, atomically, once; False if already acknowledged."""
+    added = await redis.eval(_FORWARD, 2, source, target, group, entry_id, settings.stream_maxlen, p.FIELD,
+                             message.encode()[p.FIELD])
+    return added is not None
+
+
+async def restarting(name: str, loop, log, backoff_s: float = 1.0) -> None:
+    """Runs a service's background loop, restarting it after an error (a Redis restart, a timeout) instead
+    of letting it die silently while the process looks alive."""
+    while True:
+        try:
+            return await loop()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("%s failed; restarting in %.0f s", name, backoff_s)
+            await asyncio.sleep(backoff_s)
 
 
 async def hand_back(redis: aioredis.Redis, stream: str, group: str, consumer: str, entry_ids: list[str],

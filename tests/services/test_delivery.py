@@ -29,7 +29,7 @@ def test_a_request_delivered_more_than_k_times_is_dead_lettered_and_its_client_g
         await redis.xadd(stream, request.encode())
         served = await streams.read_new(redis, stream, p.WORKER_GROUP, "worker-a", 1, 100)
         for owner in ("worker-b", "worker-c"):  # each takes it from a "dead" owner
-            claimed = await streams.claim_stale(redis, stream, p.WORKER_GROUP, owner, settings, 10)
+            claimed = await streams.StaleClaimer(redis, stream, p.WORKER_GROUP, owner, settings).claim(10)
             served = await streams.dead_letter_exhausted(redis, stream, p.WORKER_GROUP, claimed, settings)
         letters = [p.decode(p.DeadLetter, f) for _, f in await redis.xrange(p.DEAD_LETTER_STREAM)]
         replies = [c async for c in streams.follow_replies(redis, request.request_id, 5)]
@@ -43,6 +43,53 @@ def test_a_request_delivered_more_than_k_times_is_dead_lettered_and_its_client_g
     letter = next(x for x in letters if x.request_id == request.request_id)
     assert letter.deliveries == 3 and letter.request == request
     assert replies[-1].kind == "error" and replies[-1].error.code == "dead_letter"
+
+
+def _request_entry() -> tuple[str, p.GenerateRequest]:
+    request = p.GenerateRequest(request_id=uuid.uuid4().hex, kind="completion", model="m", prompt="hi",
+                                sampling=p.SamplingOptions())
+    return f"test-stream-{uuid.uuid4().hex}", request
+
+
+def test_a_stalled_worker_does_not_take_back_what_a_janitor_gave_to_another(redis_url):
+    stream, request = _request_entry()
+    settings = StreamSettings(claim_idle_ms=0)
+
+    async def scenario():
+        redis = connect(redis_url)
+        await streams.ensure_group(redis, stream, p.WORKER_GROUP)
+        await redis.xadd(stream, request.encode())
+        [delivery] = await streams.read_new(redis, stream, p.WORKER_GROUP, "stalled", 1, 100)
+        await streams.StaleClaimer(redis, stream, p.WORKER_GROUP, "rescuer", settings).claim(1)
+        lost = await streams.refresh(redis, stream, p.WORKER_GROUP, "stalled", [delivery.entry_id])
+        kept = await streams.refresh(redis, stream, p.WORKER_GROUP, "rescuer", [delivery.entry_id])
+        owner = (await redis.xpending_range(stream, p.WORKER_GROUP, min="-", max="+", count=1))[0]["consumer"]
+        await redis.delete(stream)
+        await redis.aclose()
+        return delivery.entry_id, lost, kept, owner
+
+    entry_id, lost, kept, owner = asyncio.run(scenario())
+    assert lost == [entry_id] and kept == [] and owner == "rescuer"
+
+
+def test_a_request_is_forwarded_once_even_if_two_routers_hold_it(redis_url):
+    source, request = _request_entry()
+    target = source + "-target"
+
+    async def scenario():
+        redis = connect(redis_url)
+        await streams.ensure_group(redis, source, p.ROUTER_GROUP)
+        entry_id = await redis.xadd(source, request.encode())
+        await streams.read_new(redis, source, p.ROUTER_GROUP, "router-a", 1, 100)
+        results = [await streams.forward(redis, source, p.ROUTER_GROUP, entry_id, target, request, StreamSettings())
+                   for _ in range(2)]
+        length = await redis.xlen(target)
+        await redis.delete(source, target)
+        await redis.aclose()
+        return results, length
+
+    results, length = asyncio.run(scenario())
+    assert results == [True, False] and length == 1
 
 
 def test_sigterm_lets_the_worker_finish_its_requests_before_it_exits(stack):

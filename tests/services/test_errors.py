@@ -8,6 +8,7 @@ import httpx
 import openai
 import pytest
 
+from services import protocol as p
 from tests.services.conftest import API_KEY, MODEL
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -96,3 +97,14 @@ def test_other_requests_are_served_while_bad_ones_fail(stack):
     good = stack.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
                                                   max_tokens=3)
     assert bad.status_code == 400 and good.usage.completion_tokens == 3
+
+
+def test_a_model_whose_workers_are_all_gone_answers_503_with_retry_after(stack):
+    info = p.ModelInfo(name="ghost", model_dir="/nowhere", max_model_len=2048)
+    stack.redis().hset(p.MODELS_KEY, info.name, info.model_dump_json())  # registered once, no live worker now
+    try:
+        response = _post(stack, {"model": "ghost", "messages": [{"role": "user", "content": "hi"}]})
+    finally:
+        stack.redis().hdel(p.MODELS_KEY, info.name)
+    assert response.status_code == 503 and int(response.headers["retry-after"]) >= 1
+    assert _error(response)["code"] == "no_worker"

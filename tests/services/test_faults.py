@@ -114,3 +114,25 @@ def test_repeated_idempotency_key_runs_once_and_returns_the_same_body(stack):
     request_id = first.json()["id"].removeprefix("cmpl-")
     events = [p.decode(p.CompletionEvent, f) for _, f in stack.redis().xrange(p.EVENTS_STREAM)]
     assert sum(e.request_id == request_id for e in events) == 1
+
+
+def test_a_non_streaming_client_that_gives_up_cancels_its_request(stack):
+    prompt = f"Leave me {time.time_ns()}"
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 2000, "ignore_eos": True}
+    try:
+        httpx.post(stack.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"},
+                   timeout=1.0)
+        raise AssertionError("a 2000-token completion came back within a second")
+    except httpx.ReadTimeout:
+        pass
+    request = next(r for _, f in reversed(stack.redis().xrange(p.REQUESTS_STREAM))
+                   if (r := p.decode(p.GenerateRequest, f)).prompt == prompt)
+    deadline = time.monotonic() + 3  # well before 2000 tokens could finish
+    while True:
+        replies = [p.decode(p.ReplyChunk, f) for _, f in stack.redis().xrange(p.reply_stream(request.request_id))]
+        idle = all(_worker_metric(s, "tokenfleet:num_requests_running") == 0 for s in stack.worker_statuses())
+        if replies and replies[-1].kind == "error" and idle:
+            break
+        assert time.monotonic() < deadline, "the request kept running after its client left"
+        time.sleep(0.1)
+    assert replies[-1].error.code == "cancelled"

@@ -36,7 +36,8 @@ def test_streamed_greedy_completion_joins_to_the_engine_text(stack, reference_ll
     chunks = list(stack.client().completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0,
                                                     stream=True))
     want = reference_llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=20))[0]
-    assert "".join(c.choices[0].text for c in chunks if c.choices) == want.text
+    assert all(c.choices for c in chunks), "without include_usage every chunk has a choice, as OpenAI's"
+    assert "".join(c.choices[0].text for c in chunks) == want.text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == want.finish_reason
 
 
@@ -108,6 +109,14 @@ def test_auto_routes_a_short_request_to_the_small_tier_and_records_why(stack):
                  if p.decode(p.CompletionEvent, f).request_id == reply.id.removeprefix("chatcmpl-"))
     assert event.routing.model == MODEL and event.routing.reason.startswith("auto:")
     assert event.usage.completion_tokens == reply.usage.completion_tokens
+
+
+def test_null_fields_mean_their_defaults(stack):
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 3, "temperature": None, "top_p": None, "n": None,
+            "stop": None, "seed": None, "logprobs": None, "stream": None, "presence_penalty": None}
+    response = httpx.post(stack.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"},
+                          timeout=60)
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 3
 
 
 def test_models_lists_the_served_model_and_auto(stack):
