@@ -139,7 +139,7 @@ class Worker:
         if history.started is None:
             started = p.ReplyChunk(kind="started", worker_id=self.worker_id, model=self.info.name,
                                    prompt_tokens=len(ids), traceparent=request.traceparent)
-            await self.replies.publish(rid, [started])
+            self.replies.publish_nowait(rid, [started])  # ordered before the deltas; no need to wait for it
         clock = _Clock(request.enqueued_at, history.first_delta_at)
         positions = {i: len(c.token_ids) for i, c in history.choices.items()}
         finish_reasons = {i: c.finish_reason for i, c in history.choices.items()}

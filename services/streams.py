@@ -173,15 +173,21 @@ class ReplyPublisher:
         self._pending: list[tuple[str, p.ReplyChunk]] = []
         self._flush: asyncio.Task | None = None  # the write still taking chunks
         self._writes: set[asyncio.Task] = set()  # writes not yet done
+        self._order = asyncio.Lock()
 
-    async def publish(self, request_id: str, chunks: list[p.ReplyChunk]) -> None:
-        """Returns once the chunks are in Redis (in order, after anything this worker published before)."""
+    def publish_nowait(self, request_id: str, chunks: list[p.ReplyChunk]) -> asyncio.Task:
+        """Queues the chunks; the returned write puts them in Redis after everything queued before them."""
         self._pending.extend((request_id, chunk) for chunk in chunks)
         if self._flush is None:
             self._flush = asyncio.create_task(self._write())
             self._writes.add(self._flush)
             self._flush.add_done_callback(self._writes.discard)
-        await asyncio.shield(self._flush)  # a cancelled publisher must not cancel the others' write
+        return self._flush
+
+    async def publish(self, request_id: str, chunks: list[p.ReplyChunk]) -> None:
+        """Returns once the chunks, and everything queued before them, are in Redis."""
+        # shielded: a cancelled publisher must not cancel the write that carries the others' chunks too
+        await asyncio.shield(self.publish_nowait(request_id, chunks))
 
     async def flushed(self) -> None:
         """Returns once everything published so far is written (before handing work back)."""
@@ -191,7 +197,7 @@ class ReplyPublisher:
     async def _write(self) -> None:
         await asyncio.sleep(0)  # the other requests woken by the same engine step add theirs first
         batch, self._pending, self._flush = self._pending, [], None
-        async with self.redis.pipeline(transaction=False) as pipe:
+        async with self._order, self.redis.pipeline(transaction=False) as pipe:  # one write at a time: FIFO
             for request_id, chunk in batch:
                 _add_reply(pipe, request_id, chunk, self.settings)
             await pipe.execute()
