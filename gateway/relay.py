@@ -52,7 +52,9 @@ class Relay:
             self._later(self.cancel(rid))
             self._later(self.admission.release(req.model, rid))
             return Response(status_code=499)
-        except BaseException:
+        except BaseException as exc:
+            if isinstance(exc, RequestError) and exc.error.code == "timeout":  # nobody will read the rest
+                self._later(self.cancel(rid))
             self._later(self.admission.release(req.model, rid))
             raise
 

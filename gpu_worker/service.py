@@ -111,7 +111,7 @@ class Worker:
             if await self.redis.exists(p.cancel_key(rid)):
                 await self.redis.xack(self.stream, p.WORKER_GROUP, delivery.entry_id)
                 return
-            history = ReplyHistory.of(await streams.reply_history(self.redis, rid)) if delivery.deliveries > 1 \
+            history = ReplyHistory.of(await streams.reply_history(self.redis, rid)) if delivery.claimed \
                 else ReplyHistory()
             if history.closed:
                 await self.redis.xack(self.stream, p.WORKER_GROUP, delivery.entry_id)

@@ -30,7 +30,8 @@ async def ensure_group(redis: aioredis.Redis, stream: str, group: str) -> None:
 class Delivery:
     entry_id: str
     fields: dict
-    deliveries: int
+    deliveries: int  # as Redis counts them, hand-backs excluded
+    claimed: bool = False  # taken from another consumer: its work may be partly done
 
 
 async def read_new(redis: aioredis.Redis, stream: str, group: str, consumer: str, count: int,
@@ -59,7 +60,7 @@ class StaleClaimer:
         deliveries = []
         for entry_id, fields in claimed:  # the count after this claim, which XAUTOCLAIM added
             info = await self.redis.xpending_range(self.stream, self.group, min=entry_id, max=entry_id, count=1)
-            deliveries.append(Delivery(entry_id, fields, info[0]["times_delivered"] if info else 1))
+            deliveries.append(Delivery(entry_id, fields, info[0]["times_delivered"] if info else 1, claimed=True))
         return deliveries
 
 
@@ -120,9 +121,14 @@ async def restarting(name: str, loop, log, backoff_s: float = 1.0) -> None:
 
 async def hand_back(redis: aioredis.Redis, stream: str, group: str, consumer: str, entry_ids: list[str],
                     settings: StreamSettings) -> None:
-    """Mark entries as long idle so the next janitor pass of any live consumer takes them (graceful drain)."""
-    if entry_ids:
-        await redis.xclaim(stream, group, consumer, 0, entry_ids, idle=settings.claim_idle_ms * 10, justid=True)
+    """Mark entries as long idle so the next janitor pass of any live consumer takes them (graceful drain).
+    A drain is no failure of the request: its delivery count is lowered so the next claim restores it, and
+    a long request spanning a few rolling restarts is not dead-lettered for them."""
+    for entry_id in entry_ids:
+        info = await redis.xpending_range(stream, group, min=entry_id, max=entry_id, count=1)
+        if info and info[0]["consumer"] == consumer:
+            await redis.xclaim(stream, group, consumer, 0, [entry_id], idle=settings.claim_idle_ms * 10,
+                               retrycount=max(0, info[0]["times_delivered"] - 1), justid=True)
 
 
 async def dead_letter(redis: aioredis.Redis, stream: str, group: str, delivery: Delivery, reason: str,

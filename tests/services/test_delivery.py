@@ -160,3 +160,6 @@ def test_work_a_draining_worker_cannot_finish_in_time_is_handed_back_and_complet
     assert len(served_by) == 2 and replies[-1].worker_id.endswith(f"-{staying.pid}")
     positions = [c.position for c in replies if c.kind == "delta"]
     assert positions == sorted(positions) and sum(len(c.token_ids) for c in replies if c.kind == "delta") == max_tokens
+    event = next(e for _, f in stack.redis().xrange(p.EVENTS_STREAM)
+                 if (e := p.decode(p.CompletionEvent, f)).request_id == response.headers["x-request-id"])
+    assert event.deliveries == 1  # a hand-back is not counted against the request
