@@ -5,6 +5,7 @@ from __future__ import annotations
 import uvicorn
 
 from gateway.app import create_app
+from services.gc_tuning import freeze_startup_objects
 from services.redis_client import connect
 from services.settings import GatewaySettings, RouterSettings, StreamSettings
 
@@ -12,6 +13,7 @@ from services.settings import GatewaySettings, RouterSettings, StreamSettings
 async def serve(settings: GatewaySettings, redis_url: str) -> None:
     redis = connect(redis_url)
     app = create_app(redis, settings, RouterSettings(), StreamSettings())
+    freeze_startup_objects()
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning", access_log=False)
     try:
         await uvicorn.Server(config).serve()

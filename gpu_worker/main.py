@@ -14,6 +14,7 @@ from gpu_worker.engine.builtin_models import BUILTIN_MODELS
 from gpu_worker.metrics import serve_metrics
 from gpu_worker.service import Worker
 from services import protocol as p
+from services.gc_tuning import freeze_startup_objects
 from services.redis_client import connect
 from services.settings import StreamSettings, WorkerSettings
 
@@ -29,6 +30,7 @@ async def serve(settings: WorkerSettings, redis_url: str) -> None:
                                     max_num_seqs=settings.max_num_seqs,
                                     max_num_batched_tokens=settings.max_num_batched_tokens,
                                     kv_cache_memory_bytes=settings.kv_cache_memory_bytes))
+    freeze_startup_objects()
     name = served_name(settings)
     info = p.ModelInfo(name=name, model_dir=str(engine.model_dir), max_model_len=engine.max_model_len,
                        tier=settings.tier)
