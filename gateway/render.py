@@ -25,7 +25,7 @@ def _completion_logprobs(entries: list[p.TokenLogprob], text_offset: int) -> dic
 
 def usage_body(usage: p.Usage) -> dict:
     return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-            "total_tokens": usage.total_tokens}
+            "total_tokens": usage.total_tokens, "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
 
 
 def timing_body(final: p.ReplyChunk) -> dict:

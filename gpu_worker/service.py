@@ -15,7 +15,7 @@ import time
 
 import redis.asyncio as aioredis
 
-from gpu_worker.engine import AsyncLLMEngine, InvalidRequestError
+from gpu_worker.engine import AsyncLLMEngine, InvalidRequestError, RequestOutput
 from gpu_worker.request_codec import ReplyHistory, logprob_entries, prompt_ids, sampling_params
 from services import protocol as p
 from services import streams
@@ -144,11 +144,12 @@ class Worker:
         positions = {i: len(c.token_ids) for i, c in history.choices.items()}
         finish_reasons = {i: c.finish_reason for i, c in history.choices.items()}
         resume = history.resume(params.n)
-        engine_seconds = 0.0
+        last = None
         if resume != []:  # [] : every sample had finished before the last worker died
-            engine_seconds = await self._relay(rid, ids, params, resume, positions, finish_reasons, clock)
-        usage = p.Usage(prompt_tokens=len(ids), completion_tokens=sum(positions.values()))
-        timing = clock.timing(usage.completion_tokens, engine_seconds)
+            last = await self._relay(rid, ids, params, resume, positions, finish_reasons, clock)
+        usage = p.Usage(prompt_tokens=len(ids), completion_tokens=sum(positions.values()),
+                        cached_tokens=last.num_cached_tokens if last else 0)
+        timing = clock.timing(usage.completion_tokens, last.engine_seconds if last else 0.0)
         finished = p.ReplyChunk(kind="finished", worker_id=self.worker_id, model=self.info.name, usage=usage,
                                 timing=timing)
         event = p.CompletionEvent(request_id=rid, model=self.info.name, worker_id=self.worker_id,
@@ -159,9 +160,9 @@ class Worker:
         await self._close(delivery, rid, [finished], event)
 
     async def _relay(self, rid: str, ids: list[int], params, resume, positions: dict[int, int],
-                     finish_reasons: dict[int, str | None], clock: _Clock) -> float:
-        """Engine deltas to the reply stream, numbered by position per sample; returns the engine's step time."""
-        engine, engine_seconds = self.engine.engine, 0.0
+                     finish_reasons: dict[int, str | None], clock: _Clock) -> RequestOutput | None:
+        """Engine deltas to the reply stream, numbered by position per sample; returns the last output."""
+        engine, out = self.engine.engine, None
         # aclosing: a cancel that lands while a chunk is being published must still abort the request.
         async with contextlib.aclosing(self.engine.generate(rid, ids, params, resume=resume)) as outputs:
             async for out in outputs:
@@ -176,9 +177,8 @@ class Worker:
                                                token_ids=delta.token_ids, text=delta.text,
                                                finish_reason=delta.finish_reason,
                                                logprobs=logprob_entries(engine, delta, params.logprobs or 0)))
-                engine_seconds = out.engine_seconds
                 await self.replies.publish(rid, chunks)
-        return engine_seconds
+        return out
 
     async def _close(self, delivery: streams.Delivery, request_id: str, chunks: list[p.ReplyChunk],
                      event: p.CompletionEvent | None = None) -> None:

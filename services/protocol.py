@@ -127,6 +127,7 @@ class TokenLogprob(BaseModel):
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens whose KV came from the worker's prefix cache
 
     @property
     def total_tokens(self) -> int:

@@ -1,8 +1,16 @@
-"""Fixed pool of KV-cache block ids with reference counts (integers only, no tensors)."""
+"""Fixed pool of KV-cache block ids with reference counts and a prefix cache (integers only, no tensors).
+
+A full block can be registered under its `BlockKey`: (hash of the parent block's key, its token ids), a
+chain that identifies the whole prefix up to it. A freed block keeps its key and waits in the free list,
+oldest first, until a later request with the same prefix takes it back (`share`) or the pool needs room
+(`allocate` evicts it). The dict lookup compares the stored key itself, so a hit is checked token by token.
+"""
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
+
+BlockKey = tuple[int, tuple[int, ...]]
 
 
 class BlockPool:
@@ -10,8 +18,11 @@ class BlockPool:
         if num_blocks < 1:
             raise ValueError(f"KV cache needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # evicted front first
         self._refcount = [0] * num_blocks
+        self._key_of: list[BlockKey | None] = [None] * num_blocks
+        self._cached: dict[BlockKey, int] = {}
+        self.num_evicted = 0
 
     @property
     def num_free(self) -> int:
@@ -25,23 +36,43 @@ class BlockPool:
     def usage(self) -> float:
         return self.num_used / self.num_blocks
 
+    @property
+    def num_cached(self) -> int:
+        return len(self._cached)
+
     def allocate(self, count: int) -> list[int]:
         if count > len(self._free):
             raise MemoryError(f"asked for {count} KV blocks, {len(self._free)} free")
-        blocks = [self._free.popleft() for _ in range(count)]
+        blocks = [self._free.popitem(last=False)[0] for _ in range(count)]
         for block in blocks:
             self._refcount[block] = 1
+            if (key := self._key_of[block]) is not None:  # evict its cached prefix
+                del self._cached[key]
+                self._key_of[block] = None
+                self.num_evicted += 1
         return blocks
 
     def share(self, blocks: list[int]) -> None:
+        """One more holder for each block; a free (cached) block is taken back out of the free list."""
         for block in blocks:
+            if self._refcount[block] == 0:
+                del self._free[block]
             self._refcount[block] += 1
 
     def release(self, blocks: list[int]) -> None:
-        # Reversed so that a sequence's tail blocks are reused last: they are the least likely to be shared.
+        # Reversed, so a sequence's tail blocks are evicted first: its head is the likeliest to be shared.
         for block in reversed(blocks):
             self._refcount[block] -= 1
             if self._refcount[block] == 0:
-                self._free.append(block)
+                self._free[block] = None
             elif self._refcount[block] < 0:
                 raise RuntimeError(f"KV block {block} released more often than allocated")
+
+    def cache(self, block: int, key: BlockKey) -> None:
+        """Register a full block under its prefix key (a block with the same key already cached wins)."""
+        if self._key_of[block] is None and key not in self._cached:
+            self._cached[key] = block
+            self._key_of[block] = key
+
+    def lookup(self, key: BlockKey) -> int | None:
+        return self._cached.get(key)

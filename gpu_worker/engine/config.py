@@ -18,3 +18,4 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # default: the model's positions (its sliding window, if smaller)
+    enable_prefix_caching: bool = True  # reuse the KV blocks of prompt prefixes seen before

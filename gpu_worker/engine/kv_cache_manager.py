@@ -1,9 +1,13 @@
-"""Maps sequences to KV blocks: allocation on demand as they grow, sharing for n > 1, release on finish."""
+"""Maps sequences to KV blocks: allocation on demand as they grow, sharing for n > 1 and for cached
+prefixes, release on finish."""
 
 from __future__ import annotations
 
-from .block_pool import BlockPool
+from .block_pool import BlockKey, BlockPool
 from .sequence import Sequence
+
+# The parent hash of a sequence's first block.
+ROOT = 0
 
 
 def cdiv(a: int, b: int) -> int:
@@ -11,10 +15,48 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.block_tables: dict[int, list[int]] = {}
+        self.enable_prefix_caching = enable_prefix_caching
+        self._keys: dict[int, list[BlockKey]] = {}  # per sequence: keys of its full blocks, in order
+        self.num_queried_tokens = 0  # prompt tokens looked up in the prefix cache
+        self.num_hit_tokens = 0  # of which found
+
+    def _extend_keys(self, seq: Sequence, num_blocks: int) -> list[BlockKey]:
+        keys = self._keys.setdefault(seq.seq_id, [])
+        bs = self.block_size
+        for i in range(len(keys), num_blocks):
+            parent = hash(keys[-1]) if keys else ROOT
+            keys.append((parent, tuple(seq.token_ids[i * bs:(i + 1) * bs])))
+        return keys
+
+    def reuse_cached_prefix(self, seq: Sequence) -> int:
+        """For a sequence about to start: take the cached blocks of its longest cached prefix; returns the
+        tokens they hold. At least one token is left to compute, so the sequence samples from its own logits."""
+        if not self.enable_prefix_caching or self.block_tables.get(seq.seq_id):
+            return 0
+        keys = self._extend_keys(seq, (seq.num_tokens - 1) // self.block_size)
+        hits = []
+        for key in keys:
+            if (block := self.pool.lookup(key)) is None:
+                break
+            hits.append(block)
+        self.pool.share(hits)
+        self.block_tables[seq.seq_id] = hits
+        self.num_queried_tokens += seq.num_tokens
+        self.num_hit_tokens += len(hits) * self.block_size
+        return len(hits) * self.block_size
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register the blocks `seq` has filled completely, so later sequences with this prefix reuse them."""
+        if not self.enable_prefix_caching:
+            return
+        table = self.block_tables.get(seq.seq_id, [])
+        full = min(seq.num_computed_tokens // self.block_size, len(table))
+        for block, key in zip(table[:full], self._extend_keys(seq, full)[:full], strict=True):
+            self.pool.cache(block, key)
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Grow `seq`'s block table to hold its computed tokens plus `num_new_tokens`; False if no room."""
@@ -40,6 +82,7 @@ class KVCacheManager:
 
     def free(self, seq: Sequence) -> None:
         self.pool.release(self.block_tables.pop(seq.seq_id, []))
+        self._keys.pop(seq.seq_id, None)
 
     def block_table(self, seq: Sequence) -> list[int]:
         return self.block_tables[seq.seq_id]

@@ -55,7 +55,7 @@ class LLMEngine:
         self.eos_token_ids = self.model_config.eos_token_ids | self.tokenizer.eos_token_ids
         model = load_model(model_dir, self.model_config, self.dtype, self.device)
         num_blocks = self._num_blocks()
-        self.kv = KVCacheManager(num_blocks, config.block_size)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len), self.kv
         )
@@ -185,7 +185,7 @@ class LLMEngine:
             if state.finished:
                 del self.requests[request_id]
             results.append(RequestOutput(request_id, state.prompt_token_ids, completions, state.finished,
-                                         state.engine_seconds))
+                                         state.engine_seconds, max(s.num_cached_tokens for s in state.seqs)))
         return results
 
     # ---- introspection --------------------------------------------------------------------------------
@@ -199,4 +199,6 @@ class LLMEngine:
             "kv_blocks_used": pool.num_used,
             "kv_cache_usage": pool.usage,
             "num_preemptions": self.scheduler.num_preemptions,
+            "prefix_cache_queries": self.kv.num_queried_tokens,  # tokens, as vLLM counts them
+            "prefix_cache_hits": self.kv.num_hit_tokens,
         }

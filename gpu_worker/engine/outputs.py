@@ -34,6 +34,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     engine_seconds: float = 0.0  # so far: the request's share of measured step time, by tokens processed
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
     @property
     def token_ids(self) -> list[int]:

@@ -112,8 +112,14 @@ class Scheduler:
         self.waiting.sort(key=self._waiting_key)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            if seq.num_computed_tokens == 0:
+                seq.num_computed_tokens = self.kv.reuse_cached_prefix(seq)
+                if seq.num_output_tokens == 0:
+                    seq.num_cached_tokens = seq.num_computed_tokens
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self.kv.allocate_slots(seq, n):
+                self.kv.free(seq)  # the cached blocks go back to the free list, still cached
+                seq.num_computed_tokens = 0
                 break
             self.waiting.pop(0)
             seq.status = SequenceStatus.RUNNING
@@ -138,6 +144,7 @@ class Scheduler:
         for chunk in out.chunks:
             seq = chunk.seq
             seq.num_computed_tokens += chunk.num_tokens
+            self.kv.cache_full_blocks(seq)
             if seq.forks_pending and seq.num_computed_tokens >= seq.num_prompt_tokens:
                 self._fork_pending(seq)
             if chunk.sample:

@@ -36,6 +36,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     enqueued_step: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when first admitted
     # Samples 1..n-1 of a group wait here until sample 0 has prefilled the prompt, then share its blocks.
     forks_pending: list[Sequence] = field(default_factory=list)
 

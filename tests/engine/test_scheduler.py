@@ -19,8 +19,9 @@ def make_seq(seq_id: int, prompt_len: int, *, priority: int = 0, arrival: int | 
                     arrival=seq_id if arrival is None else arrival)
 
 
-def make_scheduler(num_blocks: int = 256, block_size: int = 4, **config) -> Scheduler:
-    return Scheduler(SchedulerConfig(**config), KVCacheManager(num_blocks, block_size))
+def make_scheduler(num_blocks: int = 256, block_size: int = 4, prefix_caching: bool = False, **config) -> Scheduler:
+    """Prefix caching off unless asked: these fake prompts all share their first tokens."""
+    return Scheduler(SchedulerConfig(**config), KVCacheManager(num_blocks, block_size, prefix_caching))
 
 
 def step(sched: Scheduler, token: int = TOKEN, eos: frozenset[int] = frozenset()) -> SchedulerOutput:

@@ -134,3 +134,12 @@ def test_readyz_reports_live_workers_and_metrics_are_prometheus_text(stack):
     assert ready["status"] == "ready" and ready["workers"][MODEL] >= 1
     metrics = httpx.get(stack.url + "/metrics")
     assert "tokenfleet_gateway_requests_total" in metrics.text
+
+
+def test_a_repeated_long_prompt_reports_its_cached_tokens(stack):
+    messages = [{"role": "system", "content": "You answer briefly. " * 40}, {"role": "user", "content": "Hi"}]
+    client = stack.client()
+    # Two workers, no prefix-aware routing yet: by the third request some worker has seen the prompt.
+    replies = [client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2) for _ in range(3)]
+    assert replies[0].usage.prompt_tokens_details.cached_tokens == 0
+    assert 64 <= replies[2].usage.prompt_tokens_details.cached_tokens < replies[2].usage.prompt_tokens

@@ -1,0 +1,96 @@
+"""Prefix caching: full blocks keyed by their whole prefix, reused on a hit, evicted least recently freed
+first (a request's tail before its head), and outputs identical with caching on and off."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpu_worker.engine import LLM, SamplingParams
+from gpu_worker.engine.kv_cache_manager import KVCacheManager
+from gpu_worker.engine.sequence import Sequence
+
+BS = 4
+
+
+def _seq(seq_id: int, tokens: list[int]) -> Sequence:
+    return Sequence(seq_id, f"r{seq_id}", 0, list(tokens), len(tokens), SamplingParams(), seed=0, arrival=seq_id)
+
+
+def _run_prefill(kv: KVCacheManager, seq: Sequence) -> int:
+    """What the scheduler does for a new sequence: reuse its cached prefix, compute the rest, register."""
+    hit = kv.reuse_cached_prefix(seq)
+    seq.num_computed_tokens = hit
+    assert kv.allocate_slots(seq, seq.num_tokens - hit)
+    seq.num_computed_tokens = seq.num_tokens
+    kv.cache_full_blocks(seq)
+    return hit
+
+
+def test_a_second_request_with_the_same_prefix_reuses_its_full_blocks_and_counts_the_hit():
+    kv = KVCacheManager(num_blocks=16, block_size=BS)
+    first = _seq(1, list(range(10)))  # blocks [0-3] [4-7] and a partial [8, 9]
+    assert _run_prefill(kv, first) == 0 and kv.block_table(first) == [0, 1, 2]
+    second = _seq(2, list(range(8)) + [50, 51, 52])
+    assert _run_prefill(kv, second) == 8
+    assert kv.block_table(second)[:2] == [0, 1] and kv.block_table(second)[2] == 3
+    assert (kv.num_queried_tokens, kv.num_hit_tokens) == (21, 8)
+
+
+def test_a_prefix_matches_only_from_the_start_token_for_token():
+    kv = KVCacheManager(num_blocks=16, block_size=BS)
+    _run_prefill(kv, _seq(1, list(range(12))))
+    assert _run_prefill(kv, _seq(2, [99] + list(range(1, 12)))) == 0  # first block differs: nothing after counts
+    assert _run_prefill(kv, _seq(3, list(range(4)) + [99] + list(range(5, 12)))) == 4
+
+
+def test_at_least_one_token_is_left_to_compute_even_on_a_full_hit():
+    kv = KVCacheManager(num_blocks=16, block_size=BS)
+    _run_prefill(kv, _seq(1, list(range(8))))
+    assert _run_prefill(kv, _seq(2, list(range(8)))) == 4
+
+
+def test_freed_cached_blocks_are_reused_until_evicted_tail_first():
+    kv = KVCacheManager(num_blocks=4, block_size=BS)
+    first = _seq(1, list(range(13)))  # 3 full blocks + 1 partial: the whole pool
+    _run_prefill(kv, first)
+    kv.free(first)
+    assert kv.pool.num_free == 4 and kv.pool.num_cached == 3
+    other = _seq(2, [90, 91, 92, 93, 94])  # needs 2 blocks: the partial one, then the tail full block (2)
+    _run_prefill(kv, other)
+    assert sorted(kv.block_table(other)) == [2, 3] and kv.pool.num_evicted == 1
+    kv.free(other)
+    assert _run_prefill(kv, _seq(3, list(range(9)))) == 8  # the head blocks 0 and 1 survived
+
+
+def test_a_shared_system_prompt_occupies_its_blocks_once_across_sixteen_requests():
+    kv = KVCacheManager(num_blocks=64, block_size=BS)
+    system = list(range(1000, 1016))  # 4 full blocks
+    seqs = [_seq(i, system + [i, i + 1]) for i in range(16)]
+    for seq in seqs:
+        _run_prefill(kv, seq)
+    assert all(kv.block_table(s)[:4] == kv.block_table(seqs[0])[:4] for s in seqs)
+    assert kv.pool.num_used == 4 + 16
+
+
+@pytest.fixture(scope="module")
+def checkpoint(make_checkpoint):
+    return str(make_checkpoint("llama"))
+
+
+@pytest.mark.parametrize("budget", [2048, 32], ids=["whole-prefill", "chunked-prefill"])
+def test_outputs_are_identical_with_prefix_caching_on_and_off(checkpoint, budget):
+    system = list(range(3, 70))
+    prompts = [system + [100 + i, 200 + i] for i in range(8)] + [system[:40] + [7] * i for i in range(1, 5)]
+    params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0.9, seed=5, max_tokens=12, ignore_eos=True)]
+    outputs = {}
+    for caching in (True, False):
+        llm = LLM(model=checkpoint, dtype="float32", kv_cache_memory_bytes=8 << 20, max_num_batched_tokens=budget,
+                  enable_prefix_caching=caching)
+        runs = [llm.generate(prompts, p) for p in params]
+        runs.append(llm.generate(prompts, params[0]))  # the second round hits what the first cached
+        outputs[caching] = [[o.token_ids for o in run] for run in runs]
+        stats = llm.engine.stats()
+        assert (stats["prefix_cache_hits"] > 0) == caching
+        assert llm.engine.kv.pool.num_used == 0
+    assert outputs[True] == outputs[False]
