@@ -26,3 +26,12 @@ def mixed(vocab: int, num_requests: int = 128, prompt_range=(32, 512), output_ra
     rng = random.Random(seed)
     prompts = [[rng.randrange(100, vocab) for _ in range(rng.randint(*prompt_range))] for _ in range(num_requests)]
     return Workload(prompts, [rng.randint(*output_range) for _ in range(num_requests)])
+
+
+def shared_prefix(vocab: int, num_requests: int = 16, prefix_len: int = 1500, question_len: int = 24,
+                  seed: int = 0) -> Workload:
+    """RAG/agent traffic: one long system prompt, a short different question each, short answers."""
+    rng = random.Random(seed)
+    system = [rng.randrange(100, vocab) for _ in range(prefix_len)]
+    prompts = [system + [rng.randrange(100, vocab) for _ in range(question_len)] for _ in range(num_requests)]
+    return Workload(prompts, [8] * num_requests)

@@ -42,6 +42,12 @@ def _bench_serving(args: argparse.Namespace) -> int:
     return run_from_args(args)
 
 
+def _bench_prefix(args: argparse.Namespace) -> int:
+    from bench.prefix import run_from_args
+
+    return run_from_args(args)
+
+
 def _redis_url() -> str:
     from services.settings import RedisSettings
 
@@ -169,6 +175,11 @@ def build_parser() -> argparse.ArgumentParser:
     serving_bench = bench_sub.add_parser("serving", help="drive a running gateway with Poisson arrivals")
     add_serving_arguments(serving_bench)
     serving_bench.set_defaults(func=_bench_serving)
+    from bench.prefix import add_arguments as add_prefix_arguments
+
+    prefix_bench = bench_sub.add_parser("prefix", help="TTFT with a shared long prompt, prefix caching on vs off")
+    add_prefix_arguments(prefix_bench)
+    prefix_bench.set_defaults(func=_bench_prefix)
     _add_service_commands(sub)
     return parser
 

@@ -51,3 +51,13 @@ def test_bench_engine_writes_a_table_and_json(model_dir, tmp_path):
     assert set(figures["mixed_tps"]) == {"tokenfleet", "hf-generate (static 16)"}
     assert all(v > 0 for v in figures["mixed_tps"].values())
     assert "| mixed | hf-generate (static 16) |" in proc.stdout
+
+
+def test_bench_prefix_reports_ttft_with_caching_on_and_off(model_dir, tmp_path):
+    out = tmp_path / "prefix.json"
+    proc = _tokenfleet("bench", "prefix", "--model", model_dir, "--dtype", "float32", "--num-requests", "4",
+                       "--prefix-len", "200", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    figures = json.loads(out.read_text())
+    assert set(figures["ttft_ms"]) == {"on", "off"} and figures["hit_rate"] > 0.5
+    assert "median TTFT off / on" in proc.stdout
