@@ -58,6 +58,7 @@ class _Common(BaseModel):
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(default=1.0, gt=0.0)
     ignore_eos: bool = False
+    cache_salt: str | None = Field(default=None, min_length=1)
 
     @field_validator("stop")
     @classmethod
@@ -103,7 +104,7 @@ class ChatCompletionRequest(_Common):
         return p.GenerateRequest(request_id=request_id, kind="chat", model=self.model,
                                  messages=[m.as_template_input() for m in self.messages],
                                  sampling=self.sampling(max_tokens, logprobs), api_key_name=api_key_name,
-                                 user=self.user)
+                                 user=self.user, cache_salt=self.cache_salt)
 
 
 class CompletionRequest(_Common):
@@ -126,7 +127,7 @@ class CompletionRequest(_Common):
     def to_message(self, request_id: str, api_key_name: str | None) -> p.GenerateRequest:
         return p.GenerateRequest(request_id=request_id, kind="completion", model=self.model, prompt=self.prompt,
                                  sampling=self.sampling(self.max_tokens, self.logprobs), api_key_name=api_key_name,
-                                 user=self.user)
+                                 user=self.user, cache_salt=self.cache_salt)
 
 
 def parse(cls: type[_Common], body: Any) -> _Common:

@@ -112,6 +112,7 @@ class GenerateRequest(Message):
     sampling: SamplingOptions
     api_key_name: str | None = None
     user: str | None = None
+    cache_salt: str | None = None  # prefix-cache hits only among requests with the same salt
     created: int = Field(default_factory=lambda: int(time.time()))
     enqueued_at: float = Field(default_factory=time.time)
     routing: RoutingDecision | None = None

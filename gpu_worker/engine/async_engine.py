@@ -23,7 +23,7 @@ class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
-        self._pending: list[tuple[str, list[int], SamplingParams, int, list[ResumedChoice] | None]] = []
+        self._pending: list[tuple[str, list[int], SamplingParams, dict]] = []
         self._aborts: list[str] = []
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
@@ -34,15 +34,17 @@ class AsyncLLMEngine:
         return cls(LLMEngine(config))
 
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                       priority: int = 0, resume: list[ResumedChoice] | None = None) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, resume: list[ResumedChoice] | None = None,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yields `RequestOutput` deltas until the request finishes; leaving early aborts it.
-        `resume` continues samples another engine started (see `LLMEngine.add_request`)."""
+        `resume` and `cache_salt` as in `LLMEngine.add_request`."""
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         prompt_ids = self.engine.encode_prompt(prompt)  # bad input raises here, before anything is queued
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[request_id] = queue
-        self._pending.append((request_id, prompt_ids, params, priority, resume))
+        self._pending.append((request_id, prompt_ids, params,
+                              {"priority": priority, "resume": resume, "cache_salt": cache_salt}))
         self._ensure_loop()
         finished = False
         try:
@@ -68,9 +70,9 @@ class AsyncLLMEngine:
 
     def _apply_pending(self) -> None:
         pending, self._pending = self._pending, []
-        for request_id, prompt, params, priority, resume in pending:
+        for request_id, prompt, params, options in pending:
             try:
-                self.engine.add_request(request_id, prompt, params, priority, resume)
+                self.engine.add_request(request_id, prompt, params, **options)
             except Exception as exc:  # the caller gets its error; the loop serves the others
                 self._deliver(request_id, exc)
         aborts, self._aborts = self._aborts, []

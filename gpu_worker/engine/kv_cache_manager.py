@@ -3,11 +3,18 @@ prefixes, release on finish."""
 
 from __future__ import annotations
 
+import hashlib
+
 from .block_pool import BlockKey, BlockPool
 from .sequence import Sequence
 
 # The parent hash of a sequence's first block.
 ROOT = 0
+
+
+def _root(cache_salt: str | None) -> int:
+    """A salted chain starts elsewhere; sha256, unlike `hash(str)`, is the same in every process."""
+    return ROOT if cache_salt is None else int.from_bytes(hashlib.sha256(cache_salt.encode()).digest()[:8], "big")
 
 
 def cdiv(a: int, b: int) -> int:
@@ -28,7 +35,7 @@ class KVCacheManager:
         keys = self._keys.setdefault(seq.seq_id, [])
         bs = self.block_size
         for i in range(len(keys), num_blocks):
-            parent = hash(keys[-1]) if keys else ROOT
+            parent = hash(keys[-1]) if keys else _root(seq.cache_salt)
             keys.append((parent, tuple(seq.token_ids[i * bs:(i + 1) * bs])))
         return keys
 

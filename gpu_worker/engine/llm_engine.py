@@ -100,17 +100,20 @@ class LLMEngine:
         return ids
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    priority: int = 0, resume: list[ResumedChoice] | None = None) -> None:
-        """`resume`: continue these samples (only these) from the tokens they already produced."""
+                    priority: int = 0, resume: list[ResumedChoice] | None = None,
+                    cache_salt: str | None = None) -> None:
+        """`resume`: continue these samples (only these) from the tokens they already produced.
+        `cache_salt`: prefix-cache hits only among requests with the same salt (a tenant's own prompts)."""
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already running", "request_id")
         prompt_ids = self.encode_prompt(prompt)
         if resume is None:
-            seqs = [self._new_sequence(request_id, i, prompt_ids, params, priority) for i in range(params.n)]
+            seqs = [self._new_sequence(request_id, i, prompt_ids, params, priority, cache_salt)
+                    for i in range(params.n)]
             seqs[0].forks_pending = seqs[1:]
             queued = seqs[:1]
         else:  # each sample has its own tokens past the prompt: nothing to fork
-            seqs = [self._new_sequence(request_id, c.index, prompt_ids, params, priority) for c in resume]
+            seqs = [self._new_sequence(request_id, c.index, prompt_ids, params, priority, cache_salt) for c in resume]
             queued = seqs
         detokenizers = {s.index: IncrementalDetokenizer(self.tokenizer, params.stop,
                                                         prompt_ids[-DETOKENIZER_CONTEXT:]) for s in seqs}
@@ -123,11 +126,11 @@ class LLMEngine:
             self.scheduler.add(seq)
 
     def _new_sequence(self, request_id: str, index: int, prompt_ids: list[int], params: SamplingParams,
-                      priority: int) -> Sequence:
+                      priority: int, cache_salt: str | None) -> Sequence:
         self._seq_counter += 1
         seed = (params.seed * 1_000_003 + index) if params.seed is not None else self._entropy.getrandbits(63)
         return Sequence(self._seq_counter, request_id, index, list(prompt_ids), len(prompt_ids), params,
-                        seed=seed, priority=priority, arrival=self._seq_counter)
+                        seed=seed, priority=priority, arrival=self._seq_counter, cache_salt=cache_salt)
 
     def abort_request(self, request_id: str) -> None:
         state = self.requests.pop(request_id, None)

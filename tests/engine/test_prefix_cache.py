@@ -72,6 +72,21 @@ def test_a_shared_system_prompt_occupies_its_blocks_once_across_sixteen_requests
     assert kv.pool.num_used == 4 + 16
 
 
+def test_a_salted_prefix_hits_only_requests_with_the_same_salt():
+    kv = KVCacheManager(num_blocks=16, block_size=BS)
+    tokens = list(range(9))
+
+    def salted(seq_id: int, salt: str | None) -> Sequence:
+        seq = _seq(seq_id, tokens)
+        seq.cache_salt = salt
+        return seq
+
+    _run_prefill(kv, salted(1, "tenant-a"))
+    assert _run_prefill(kv, salted(2, "tenant-b")) == 0
+    assert _run_prefill(kv, salted(3, None)) == 0
+    assert _run_prefill(kv, salted(4, "tenant-a")) == 8
+
+
 @pytest.fixture(scope="module")
 def checkpoint(make_checkpoint):
     return str(make_checkpoint("llama"))

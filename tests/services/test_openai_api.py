@@ -143,3 +143,16 @@ def test_a_repeated_long_prompt_reports_its_cached_tokens(stack):
     replies = [client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2) for _ in range(3)]
     assert replies[0].usage.prompt_tokens_details.cached_tokens == 0
     assert 64 <= replies[2].usage.prompt_tokens_details.cached_tokens < replies[2].usage.prompt_tokens
+
+
+def test_cache_salt_keeps_prefix_cache_hits_within_the_salt(stack):
+    messages = [{"role": "system", "content": "Salted prompt for one tenant. " * 30}, {"role": "user", "content": "Hi"}]
+    client = stack.client()
+
+    def cached(salt: str) -> int:
+        reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2,
+                                               extra_body={"cache_salt": salt})
+        return reply.usage.prompt_tokens_details.cached_tokens
+
+    assert [cached("tenant-a") for _ in range(3)][2] >= 64  # by the third, a worker has seen it (two workers)
+    assert cached("tenant-b") == 0
