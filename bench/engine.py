@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from datetime import date
@@ -15,6 +14,7 @@ from datetime import date
 import torch
 
 from . import hf_peer
+from .report import publish
 from .workloads import Workload, batch1, mixed
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -163,8 +163,4 @@ def format_table(r: dict) -> str:
 
 def run_from_args(args: argparse.Namespace) -> int:
     result = run(args)
-    print(format_table(result))
-    if args.json_path:
-        with open(args.json_path, "w") as f:
-            json.dump(result, f, indent=2)
-    return 0
+    return publish(result, format_table(result), args.json_path)

@@ -4,11 +4,11 @@ engine's prefix caching on and off (same engine, model and prompts, one process,
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from datetime import date
 
+from .report import publish
 from .workloads import Workload, shared_prefix
 
 
@@ -71,8 +71,4 @@ def format_table(r: dict) -> str:
 
 def run_from_args(args: argparse.Namespace) -> int:
     result = run(args)
-    print(format_table(result))
-    if args.json_path:
-        with open(args.json_path, "w") as f:
-            json.dump(result, f, indent=2)
-    return 0
+    return publish(result, format_table(result), args.json_path)

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .report import publish
+
 SLO_KEYS = ("ttft_ms", "tpot_ms", "e2e_ms")
 LATENCIES = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
 _WORDS = (
@@ -270,8 +272,4 @@ async def run(args: argparse.Namespace) -> dict:
 
 def run_from_args(args: argparse.Namespace) -> int:
     summary = asyncio.run(run(args))
-    print(format_table(summary))
-    if getattr(args, "json_path", None):
-        with open(args.json_path, "w") as f:
-            json.dump(summary, f, indent=2, default=str)
-    return 0
+    return publish(summary, format_table(summary), args.json_path)

@@ -1,0 +1,13 @@
+"""What every `tokenfleet bench` command ends with: the table on stdout, the figures as JSON if asked."""
+
+from __future__ import annotations
+
+import json
+
+
+def publish(result: dict, table: str, json_path: str | None) -> int:
+    print(table)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(result, f, indent=2, default=str)
+    return 0
