@@ -52,9 +52,13 @@ class KVCacheManager:
             hits.append(block)
         self.pool.share(hits)
         self.block_tables[seq.seq_id] = hits
-        self.num_queried_tokens += seq.num_tokens
-        self.num_hit_tokens += len(hits) * self.block_size
         return len(hits) * self.block_size
+
+    def count_prefix_query(self, seq: Sequence, hit_tokens: int) -> None:
+        """Once per admission: a sequence that did not fit and is looked up again next step counts once."""
+        if self.enable_prefix_caching:
+            self.num_queried_tokens += seq.num_tokens
+            self.num_hit_tokens += hit_tokens
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register the blocks `seq` has filled completely, so later sequences with this prefix reuse them."""

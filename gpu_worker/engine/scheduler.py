@@ -112,15 +112,16 @@ class Scheduler:
         self.waiting.sort(key=self._waiting_key)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            if seq.num_computed_tokens == 0:
-                seq.num_computed_tokens = self.kv.reuse_cached_prefix(seq)
-                if seq.num_output_tokens == 0:
-                    seq.num_cached_tokens = seq.num_computed_tokens
+            hit = self.kv.reuse_cached_prefix(seq) if seq.num_computed_tokens == 0 else 0
+            seq.num_computed_tokens += hit
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self.kv.allocate_slots(seq, n):
                 self.kv.free(seq)  # the cached blocks go back to the free list, still cached
-                seq.num_computed_tokens = 0
+                seq.num_computed_tokens -= hit
                 break
+            self.kv.count_prefix_query(seq, hit)
+            if seq.num_output_tokens == 0:
+                seq.num_cached_tokens = hit
             self.waiting.pop(0)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

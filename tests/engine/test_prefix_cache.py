@@ -21,6 +21,7 @@ def _run_prefill(kv: KVCacheManager, seq: Sequence) -> int:
     hit = kv.reuse_cached_prefix(seq)
     seq.num_computed_tokens = hit
     assert kv.allocate_slots(seq, seq.num_tokens - hit)
+    kv.count_prefix_query(seq, hit)
     seq.num_computed_tokens = seq.num_tokens
     kv.cache_full_blocks(seq)
     return hit
