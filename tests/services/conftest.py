@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 
 import openai
@@ -61,6 +62,13 @@ class Stack:
                                 env={**self.env, **(env or {})})
         self.workers.append(proc)
         return proc
+
+    def wait_for_worker(self, proc: subprocess.Popen, model: str = MODEL, timeout_s: float = 180) -> None:
+        """Until `proc` heartbeats as a worker of `model`."""
+        deadline = time.monotonic() + timeout_s
+        while not any(s.worker_id.endswith(f"-{proc.pid}") for s in self.worker_statuses(model)):
+            assert time.monotonic() < deadline and proc.poll() is None, "the worker did not come up"
+            time.sleep(0.3)
 
     def worker_statuses(self, model: str = MODEL) -> list[p.WorkerStatus]:
         r = self.redis()

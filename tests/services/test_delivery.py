@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import time
 import uuid
 
 import httpx
@@ -106,11 +105,7 @@ def test_sigterm_lets_the_worker_finish_its_requests_before_it_exits(stack):
     assert rest[-1] == "data: [DONE]"
     assert '"completion_tokens":300' in rest[-2]
     assert worker.wait(30) == 0
-    stack.start_worker()
-    deadline = time.monotonic() + 120
-    while not any(s.worker_id.endswith(f"-{stack.workers[-1].pid}") for s in stack.worker_statuses()):
-        assert time.monotonic() < deadline
-        time.sleep(0.3)
+    stack.wait_for_worker(stack.start_worker(), timeout_s=120)
 
 
 def test_api_keys_are_stored_only_as_hashes(redis_url):
@@ -128,18 +123,11 @@ def test_api_keys_are_stored_only_as_hashes(redis_url):
     assert found[1] == "alice" and wrong is None
 
 
-def _wait_for_worker(stack, model: str, proc, timeout_s: float = 180) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not any(s.worker_id.endswith(f"-{proc.pid}") for s in stack.worker_statuses(model)):
-        assert time.monotonic() < deadline and proc.poll() is None, "the worker did not come up"
-        time.sleep(0.3)
-
-
 def test_work_a_draining_worker_cannot_finish_in_time_is_handed_back_and_completed_elsewhere(stack):
     model, max_tokens = "handback", 1800  # long enough to outlast the second worker's start-up
     flags = ("--model", "tokenfleet-large", "--served-model-name", model, "--dtype", "bfloat16")
     leaving = stack.start_worker(*flags, env={"TOKENFLEET_WORKER_DRAIN_TIMEOUT_S": "0.5"})
-    _wait_for_worker(stack, model, leaving)
+    stack.wait_for_worker(leaving, model)
     body = {"model": model, "prompt": "Hand me back", "max_tokens": max_tokens, "stream": True,
             "ignore_eos": True, "stream_options": {"include_usage": True}}
     with httpx.stream("POST", stack.url + "/v1/completions", json=body, timeout=300,
@@ -147,7 +135,7 @@ def test_work_a_draining_worker_cannot_finish_in_time_is_handed_back_and_complet
         lines = response.iter_lines()
         received = [next(lines)]
         staying = stack.start_worker(*flags)
-        _wait_for_worker(stack, model, staying)
+        stack.wait_for_worker(staying, model)
         leaving.send_signal(signal.SIGTERM)
         received += list(lines)
     assert leaving.wait(30) == 0
