@@ -222,5 +222,20 @@ class WorkerStatus(BaseModel):
     updated_at: float
 
 
+class CachedChoice(BaseModel):
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+
+
+class CachedCompletion(BaseModel):
+    """A finished response as the response caches keep it: a worker writes it, a later hit replays it."""
+
+    model: str
+    choices: list[CachedChoice]
+    usage: Usage
+    created_at: float = Field(default_factory=time.time)
+
+
 def dumps(obj: Any) -> str:
     return json.dumps(obj, separators=(",", ":"))

@@ -49,6 +49,25 @@ class RouterSettings(BaseSettings):
     # model="auto" goes to the small tier when the prompt and the requested output both fit under these.
     auto_max_prompt_tokens: int = 512
     auto_max_tokens: int = 256
+    # A classifier trained by `tokenfleet router train`: model="auto" requests the length rule leaves to the
+    # small tier go to the large one when P(the small model does not suffice) >= the threshold. Unset: rule only.
+    classifier_path: str | None = None
+    classifier_threshold: float = 0.5  # higher: fewer requests to the large tier
+    # Worker choice: a cached prefix shorter than this counts for nothing; each request queued or running on a
+    # worker costs as much as this many prompt tokens to recompute.
+    min_prefix_tokens: int = 64
+    load_cost_tokens: int = 256
+
+
+class CacheSettings(BaseSettings):
+    """The response caches (exact and semantic), read by the router and filled by the workers."""
+
+    model_config = SettingsConfigDict(env_prefix="TOKENFLEET_CACHE_")
+    default_mode: str = "off"  # for keys that set none: off / exact / semantic (semantic also looks up exact)
+    exact_ttl_s: int = 3600
+    semantic_ttl_s: int = 3600
+    semantic_threshold: float = 0.9  # cosine similarity of the conversations' embeddings
+    semantic_max_entries: int = 10_000  # per tenant and model; the oldest go first
 
 
 class WorkerSettings(BaseSettings):
