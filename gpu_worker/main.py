@@ -33,7 +33,7 @@ async def serve(settings: WorkerSettings, redis_url: str) -> None:
     freeze_startup_objects()
     name = served_name(settings)
     info = p.ModelInfo(name=name, model_dir=str(engine.model_dir), max_model_len=engine.max_model_len,
-                       tier=settings.tier)
+                       tier=settings.tier, kv_block_size=engine.block_size)
     worker_id = f"{socket.gethostname()}-{os.getpid()}"
     metrics_port = serve_metrics(engine, name, settings.metrics_port)
     redis = connect(redis_url)

@@ -1,9 +1,11 @@
-"""The GPU worker: a consumer-group member on its model's work stream that feeds the async engine.
+"""The GPU worker: a consumer-group member on its model's work stream and on its own inbox (where the
+router sends what this worker's prefix cache suits) that feeds the async engine.
 
 Requests stream in as capacity frees (the engine batches them continuously); each request's token
 deltas go, numbered, to its reply stream, and the work entry is acknowledged only after the final chunk.
-A heartbeat keeps this worker's pending entries fresh; a janitor takes entries whose owner stopped
-refreshing them (it died) and resumes them from what their reply stream already holds.
+A heartbeat keeps this worker's pending entries fresh and sends its prefix-cache changes to the prefix
+directory; a janitor takes entries whose owner stopped refreshing them (it died), and dead workers'
+inboxes, and resumes them from what their reply streams already hold.
 """
 
 from __future__ import annotations
@@ -12,10 +14,13 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import defaultdict
 
 import redis.asyncio as aioredis
 
+from cache.prefix_directory import PrefixDirectory
 from gpu_worker.engine import AsyncLLMEngine, InvalidRequestError, RequestOutput
+from gpu_worker.orphan_inboxes import OrphanInboxes
 from gpu_worker.request_codec import ReplyHistory, logprob_entries, prompt_ids, sampling_params
 from services import protocol as p
 from services import streams
@@ -29,18 +34,23 @@ class Worker:
                  settings: WorkerSettings, stream_settings: StreamSettings, metrics_port: int | None = None):
         self.redis, self.engine, self.info, self.worker_id = redis, engine, info, worker_id
         self.settings, self.streams = settings, stream_settings
-        self.stream = p.work_stream(info.name)
+        self.shared = p.work_stream(info.name)  # what the router sends to no worker in particular
+        self.inbox = p.inbox_stream(info.name, worker_id)
         self.replies = streams.ReplyPublisher(redis, stream_settings)
+        self.directory = PrefixDirectory(redis, info.name)
+        self.orphans = OrphanInboxes(redis, info.name, worker_id, stream_settings, self.directory)
         self.metrics_port = metrics_port
-        self.inflight: dict[str, tuple[str, asyncio.Task]] = {}  # request id -> (entry id, its task)
+        self.inflight: dict[str, tuple[streams.Delivery, asyncio.Task]] = {}  # request id -> (its entry, its task)
         self.draining = False
         self._slot_freed = asyncio.Event()
+        self._directory_stale = False
 
     # ---- lifecycle ------------------------------------------------------------------------------------
 
     async def run(self, stop: asyncio.Event) -> None:
-        await streams.ensure_group(self.redis, self.stream, p.WORKER_GROUP)
+        await self._ensure_groups()
         await self.redis.hset(p.MODELS_KEY, self.info.name, self.info.model_dump_json())
+        await self.directory.forget(self.worker_id)  # a worker id reused after a restart: its cache is empty
         await self._heartbeat()
         loops = [asyncio.create_task(streams.restarting(loop.__name__, loop, log)) for loop in
                  (self._read_loop, self._janitor_loop, self._heartbeat_loop, self._cancel_loop)]
@@ -63,33 +73,43 @@ class Worker:
             task.cancel()
         await asyncio.gather(*(task for _, task in leftover.values()), return_exceptions=True)
         await self.replies.flushed()  # the next owner resumes from what the reply streams hold
-        await streams.hand_back(self.redis, self.stream, p.WORKER_GROUP, self.worker_id,
-                                [entry_id for entry_id, _ in leftover.values()], self.streams)
+        for stream, entry_ids in _by_stream(d for d, _ in leftover.values()).items():
+            await streams.hand_back(self.redis, stream, p.WORKER_GROUP, self.worker_id, entry_ids, self.streams)
         await self.redis.zrem(p.workers_key(self.info.name), self.worker_id)
-        await self.redis.delete(p.heartbeat_key(self.info.name, self.worker_id))
+        await self.redis.delete(p.heartbeat_key(self.info.name, self.worker_id))  # live workers adopt the inbox
+        await self.directory.forget(self.worker_id)
         await self.engine.shutdown()
         log.info("worker %s drained; %d requests handed back", self.worker_id, len(leftover))
 
     # ---- taking work ----------------------------------------------------------------------------------
 
+    async def _ensure_groups(self) -> None:
+        for stream in (self.shared, self.inbox):
+            await streams.ensure_group(self.redis, stream, p.WORKER_GROUP)
+        await self.redis.sadd(p.inboxes_key(self.info.name), self.worker_id)
+
     async def _read_loop(self) -> None:
+        # Again on every (re)start of this loop: after a stall past the heartbeat's TTL, others may have
+        # adopted and deleted this worker's inbox.
+        await self._ensure_groups()
         while True:
             free = self._free_slots()
             if not free:
                 self._slot_freed.clear()
                 await self._slot_freed.wait()
                 continue
-            await self._start(await streams.read_new(self.redis, self.stream, p.WORKER_GROUP, self.worker_id, free,
-                                                     streams.BLOCK_MS))
+            await self._start(await streams.read_new(self.redis, [self.inbox, self.shared], p.WORKER_GROUP,
+                                                     self.worker_id, free, streams.BLOCK_MS))
 
     async def _janitor_loop(self) -> None:
-        claimer = streams.StaleClaimer(self.redis, self.stream, p.WORKER_GROUP, self.worker_id, self.streams)
+        claimer = streams.StaleClaimer(self.redis, self.shared, p.WORKER_GROUP, self.worker_id, self.streams)
         while True:
             await asyncio.sleep(self.streams.janitor_interval_s)
             if free := self._free_slots():
                 claimed = await claimer.claim(free)
-                await self._start(await streams.dead_letter_exhausted(self.redis, self.stream, p.WORKER_GROUP,
-                                                                      claimed, self.streams))
+                claimed += await self.orphans.take(free - len(claimed)) if len(claimed) < free else []
+                await self._start(await streams.dead_letter_exhausted(self.redis, p.WORKER_GROUP, claimed,
+                                                                      self.streams))
 
     def _free_slots(self) -> int:
         return max(0, self.settings.max_num_seqs - len(self.inflight))
@@ -98,10 +118,10 @@ class Worker:
         for delivery in deliveries:
             request = _parse(delivery)
             if request is None or request.request_id in self.inflight:  # malformed, or a second copy
-                await self.redis.xack(self.stream, p.WORKER_GROUP, delivery.entry_id)
+                await self.redis.xack(delivery.stream, p.WORKER_GROUP, delivery.entry_id)
                 continue
             task = asyncio.create_task(self._serve(delivery, request))
-            self.inflight[request.request_id] = (delivery.entry_id, task)
+            self.inflight[request.request_id] = (delivery, task)
 
     # ---- serving one request --------------------------------------------------------------------------
 
@@ -109,12 +129,12 @@ class Worker:
         rid = request.request_id
         try:
             if await self.redis.exists(p.cancel_key(rid)):
-                await self.redis.xack(self.stream, p.WORKER_GROUP, delivery.entry_id)
+                await self.redis.xack(delivery.stream, p.WORKER_GROUP, delivery.entry_id)
                 return
             history = ReplyHistory.of(await streams.reply_history(self.redis, rid)) if delivery.claimed \
                 else ReplyHistory()
             if history.closed:
-                await self.redis.xack(self.stream, p.WORKER_GROUP, delivery.entry_id)
+                await self.redis.xack(delivery.stream, p.WORKER_GROUP, delivery.entry_id)
                 return
             await self._generate(delivery, request, history)
         except asyncio.CancelledError:
@@ -189,7 +209,7 @@ class Worker:
         async with self.redis.pipeline(transaction=True) as pipe:
             if event is not None:
                 pipe.xadd(p.EVENTS_STREAM, event.encode(), maxlen=self.streams.stream_maxlen, approximate=True)
-            pipe.xack(self.stream, p.WORKER_GROUP, delivery.entry_id)
+            pipe.xack(delivery.stream, p.WORKER_GROUP, delivery.entry_id)
             await pipe.execute()
 
     # ---- liveness and cancellation --------------------------------------------------------------------
@@ -203,6 +223,7 @@ class Worker:
         stats = self.engine.engine.stats()
         status = p.WorkerStatus(worker_id=self.worker_id, model=self.info.name,
                                 running=int(stats["num_requests_running"]), waiting=int(stats["num_requests_waiting"]),
+                                inflight=len(self.inflight),
                                 kv_blocks_used=int(stats["kv_blocks_used"]),
                                 kv_blocks_total=int(stats["kv_blocks_total"]), draining=self.draining,
                                 metrics_port=self.metrics_port, updated_at=time.time())
@@ -212,13 +233,23 @@ class Worker:
             pipe.zremrangebyscore(p.workers_key(self.info.name), "-inf", now)  # workers that died
             if not self.draining:
                 pipe.zadd(p.workers_key(self.info.name), {self.worker_id: now + ttl})
+                pipe.sadd(p.inboxes_key(self.info.name), self.worker_id)
             await pipe.execute()
-        lost = set(await streams.refresh(self.redis, self.stream, p.WORKER_GROUP, self.worker_id,
-                                         [entry_id for entry_id, _ in self.inflight.values()]))
-        for request_id, (entry_id, task) in list(self.inflight.items()):
-            if entry_id in lost:  # taken over while this worker stalled: the new owner serves it
+        await self._publish_prefix_changes()
+        lost = set()
+        for stream, entry_ids in _by_stream(d for d, _ in self.inflight.values()).items():
+            lost.update((stream, e) for e in await streams.refresh(self.redis, stream, p.WORKER_GROUP,
+                                                                  self.worker_id, entry_ids))
+        for request_id, (delivery, task) in list(self.inflight.items()):
+            if (delivery.stream, delivery.entry_id) in lost:  # taken over while this worker stalled
                 log.warning("request %s was taken over by another worker; dropping it here", request_id)
                 task.cancel()
+
+    async def _publish_prefix_changes(self) -> None:
+        changes = self.engine.engine.drain_kv_events(resend_all=self._directory_stale)
+        self._directory_stale = True  # until the write succeeds: a lost batch of events is resent in full
+        await self.directory.apply(self.worker_id, *changes)
+        self._directory_stale = False
 
     async def _cancel_loop(self) -> None:
         async with self.redis.pubsub(ignore_subscribe_messages=True) as pubsub:
@@ -229,7 +260,7 @@ class Worker:
                 if message and (entry := self.inflight.get(message["data"])):
                     entry[1].cancel()  # generate()'s exit aborts the request and frees its blocks
                     with contextlib.suppress(Exception):
-                        await self.redis.xack(self.stream, p.WORKER_GROUP, entry[0])
+                        await self.redis.xack(entry[0].stream, p.WORKER_GROUP, entry[0].entry_id)
 
 
 class _Clock:
@@ -249,6 +280,13 @@ class _Clock:
         tpot = (now - first) / (completion_tokens - 1) if completion_tokens > 1 else 0.0
         return p.Timing(queue_s=self.admitted_at - self.enqueued_at, ttft_s=first - self.enqueued_at, tpot_s=tpot,
                         e2e_s=now - self.enqueued_at, engine_s=now - self.admitted_at, engine_step_s=engine_step_s)
+
+
+def _by_stream(deliveries) -> dict[str, list[str]]:
+    grouped: dict[str, list[str]] = defaultdict(list)
+    for delivery in deliveries:
+        grouped[delivery.stream].append(delivery.entry_id)
+    return grouped
 
 
 def _parse(delivery: streams.Delivery) -> p.GenerateRequest | None:

@@ -7,16 +7,29 @@ import os
 import signal
 import socket
 
-from router.policy import TierRule
+from router.policy import TierPolicy, TierRule
 from router.service import Router
+from router.worker_choice import WorkerChooser
 from services.gc_tuning import freeze_startup_objects
 from services.redis_client import connect
 from services.settings import RouterSettings, StreamSettings
 
 
-async def serve(settings: RouterSettings, redis_url: str) -> None:
+def tier_policy(settings: RouterSettings) -> TierPolicy:
     rule = TierRule(settings.small_model, settings.large_model, settings.auto_max_prompt_tokens,
                     settings.auto_max_tokens)
+    if not settings.classifier_path:
+        return TierPolicy(rule)
+    from cache.embedder import shared_embedder
+    from router.classifier import TierClassifier
+
+    return TierPolicy(rule, TierClassifier.load(settings.classifier_path), settings.classifier_threshold,
+                      shared_embedder())
+
+
+async def serve(settings: RouterSettings, redis_url: str) -> None:
+    chooser = WorkerChooser(settings.min_prefix_tokens, settings.load_cost_tokens)
+    tiers = tier_policy(settings)
     redis = connect(redis_url)
     freeze_startup_objects()
     stop = asyncio.Event()
@@ -24,6 +37,6 @@ async def serve(settings: RouterSettings, redis_url: str) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
-        await Router(redis, rule, f"{socket.gethostname()}-{os.getpid()}", StreamSettings()).run(stop)
+        await Router(redis, tiers, chooser, f"{socket.gethostname()}-{os.getpid()}", StreamSettings()).run(stop)
     finally:
         await redis.aclose()

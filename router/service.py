@@ -1,5 +1,7 @@
-"""The router: a consumer group on the request stream that stamps each request with its model and the
-reason, and moves it to that model's work stream in one transaction with its acknowledgement."""
+"""The router: a consumer group on the request stream. For each request it picks the model (tier), answers
+it from the response cache when it may, or else picks the worker (prefix cache against load) and moves it to
+that worker's inbox in one transaction with its acknowledgement. Every choice and its reason is stamped on
+the request, which carries them to the worker and into the completion event."""
 
 from __future__ import annotations
 
@@ -9,8 +11,12 @@ import time
 
 import redis.asyncio as aioredis
 
-from router.policy import TierRule, route
-from router.token_count import prompt_tokens
+from cache.prefix_directory import PrefixDirectory
+from gpu_worker.engine.block_hash import block_hashes
+from router.fleet_view import FleetView
+from router.policy import TierPolicy
+from router.prompt_encoder import PromptEncoder
+from router.worker_choice import WorkerChooser
 from services import protocol as p
 from services import streams
 from services.settings import StreamSettings
@@ -19,8 +25,12 @@ log = logging.getLogger(__name__)
 
 
 class Router:
-    def __init__(self, redis: aioredis.Redis, rule: TierRule, router_id: str, stream_settings: StreamSettings):
-        self.redis, self.rule, self.router_id, self.streams = redis, rule, router_id, stream_settings
+    def __init__(self, redis: aioredis.Redis, tiers: TierPolicy, chooser: WorkerChooser, router_id: str,
+                 stream_settings: StreamSettings):
+        self.redis, self.tiers, self.chooser = redis, tiers, chooser
+        self.router_id, self.streams = router_id, stream_settings
+        self.encoder = PromptEncoder()
+        self.fleet = FleetView(redis)
 
     async def run(self, stop: asyncio.Event) -> None:
         await streams.ensure_group(self.redis, p.REQUESTS_STREAM, p.ROUTER_GROUP)
@@ -52,21 +62,40 @@ class Router:
             log.error("dropping malformed request entry %s", delivery.entry_id)
             await self.redis.xack(p.REQUESTS_STREAM, p.ROUTER_GROUP, delivery.entry_id)
             return
-        model, reason = route(request, self.rule, await self._prompt_tokens(request), await self._alive(request))
+        models = await self._models()
+        model, reason = await self.tiers.choose(request, models, self.encoder, await self._alive(request))
         request.routing = p.RoutingDecision(model=model, reason=reason, decided_at=time.time())
-        await streams.forward(self.redis, p.REQUESTS_STREAM, p.ROUTER_GROUP, delivery.entry_id, p.work_stream(model),
-                              request, self.streams)
+        target, registry = await self._place(request, models.get(model))
+        await streams.forward(self.redis, p.REQUESTS_STREAM, p.ROUTER_GROUP, delivery.entry_id, target, request,
+                              self.streams, registry)
+
+    async def _place(self, request: p.GenerateRequest,
+                     info: p.ModelInfo | None) -> tuple[str, tuple[str, str] | None]:
+        """The chosen worker's inbox (and its registry), or the model's shared stream when none is live."""
+        decision, model = request.routing, request.routing.model
+        ids = await asyncio.to_thread(self.encoder.prompt_ids, request, info.model_dir) if info else None
+        started = time.perf_counter()
+        workers = await self.fleet.workers(model)
+        if not workers:
+            decision.worker_reason = "no live worker yet: the model's shared stream"
+            return p.work_stream(model), None
+        block_size = info.kv_block_size if info else 16
+        hashes = block_hashes(ids, block_size, request.cache_salt) if ids else []
+        blocks = await PrefixDirectory(self.redis, model).cached_blocks(hashes, [w.worker_id for w in workers])
+        choice = self.chooser.choose(workers, {w: n * block_size for w, n in blocks.items()},
+                                     hashes[0] if hashes else 0)
+        decision.decision_ms = (time.perf_counter() - started) * 1000
+        decision.worker, decision.worker_reason, decision.prefix_tokens = (choice.worker_id, choice.reason,
+                                                                           choice.cached_tokens)
+        self.fleet.sent(choice.worker_id)
+        return p.inbox_stream(model, choice.worker_id), (p.inboxes_key(model), choice.worker_id)
+
+    async def _models(self) -> dict[str, p.ModelInfo]:
+        registered = await self.redis.hgetall(p.MODELS_KEY)
+        return {name: p.ModelInfo.model_validate_json(raw) for name, raw in registered.items()}
 
     async def _alive(self, request: p.GenerateRequest) -> set[str]:
         if request.model != p.AUTO_MODEL:
             return set()
         now = time.time()
-        tiers = (self.rule.small_model, self.rule.large_model)
-        return {m for m in tiers if await self.redis.zcount(p.workers_key(m), now, "+inf")}
-
-    async def _prompt_tokens(self, request: p.GenerateRequest) -> int | None:
-        if request.model != p.AUTO_MODEL:
-            return None
-        raw = await self.redis.hget(p.MODELS_KEY, self.rule.small_model)
-        model_dir = p.ModelInfo.model_validate_json(raw).model_dir if raw else None
-        return await asyncio.to_thread(prompt_tokens, request, model_dir)
+        return {m for m in self.tiers.models() if await self.redis.zcount(p.workers_key(m), now, "+inf")}

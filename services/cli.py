@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 
@@ -30,22 +31,21 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench(args: argparse.Namespace) -> int:
-    from bench.engine import run_from_args
+def _from_module(module: str, function: str = "run_from_args"):
+    """A subcommand that imports its module only when it runs (bench peers, torch, scikit-learn)."""
 
-    return run_from_args(args)
+    def run(args: argparse.Namespace) -> int:
+        return getattr(importlib.import_module(module), function)(args)
 
-
-def _bench_serving(args: argparse.Namespace) -> int:
-    from bench.serving import run_from_args
-
-    return run_from_args(args)
+    return run
 
 
-def _bench_prefix(args: argparse.Namespace) -> int:
-    from bench.prefix import run_from_args
-
-    return run_from_args(args)
+# `tokenfleet bench NAME`: module (with add_arguments and run_from_args), help
+BENCHMARKS = {
+    "engine": ("bench.engine", "our engine vs HF generate (and vLLM, llama.cpp)"),
+    "serving": ("bench.serving", "drive a running gateway with Poisson arrivals"),
+    "prefix": ("bench.prefix", "TTFT with a shared long prompt, prefix caching on vs off"),
+}
 
 
 def _redis_url() -> str:
@@ -128,7 +128,14 @@ def _add_service_commands(sub) -> None:
     gateway.add_argument("--port", type=int, default=None)
     gateway.set_defaults(func=_gateway)
 
-    sub.add_parser("router", help="the router (request stream -> model work streams)").set_defaults(func=_router)
+    router = sub.add_parser("router", help="the router (request stream -> model work streams)")
+    router.set_defaults(func=_router)
+    router_sub = router.add_subparsers(dest="router_command")  # optional: a bare `tokenfleet router` serves
+    from router.train import add_arguments as add_train_arguments
+
+    train = router_sub.add_parser("train", help="fit the model=auto tier classifier on labeled prompts (JSONL)")
+    add_train_arguments(train)
+    train.set_defaults(func=_from_module("router.train", "main"))
 
     worker = sub.add_parser("worker", help="a GPU worker serving one model")
     worker.add_argument("--model", default=None, help="built-in name or HF model directory")
@@ -165,21 +172,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks against peers")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    from bench.engine import add_arguments
-
-    engine_bench = bench_sub.add_parser("engine", help="our engine vs HF generate (and vLLM, llama.cpp)")
-    add_arguments(engine_bench)
-    engine_bench.set_defaults(func=_bench)
-    from bench.serving import add_arguments as add_serving_arguments
-
-    serving_bench = bench_sub.add_parser("serving", help="drive a running gateway with Poisson arrivals")
-    add_serving_arguments(serving_bench)
-    serving_bench.set_defaults(func=_bench_serving)
-    from bench.prefix import add_arguments as add_prefix_arguments
-
-    prefix_bench = bench_sub.add_parser("prefix", help="TTFT with a shared long prompt, prefix caching on vs off")
-    add_prefix_arguments(prefix_bench)
-    prefix_bench.set_defaults(func=_bench_prefix)
+    for name, (module, text) in BENCHMARKS.items():
+        command = bench_sub.add_parser(name, help=text)
+        importlib.import_module(module).add_arguments(command)
+        command.set_defaults(func=_from_module(module))
     _add_service_commands(sub)
     return parser
 

@@ -50,6 +50,21 @@ def heartbeat_key(model: str, worker_id: str) -> str:
     return f"{PREFIX}:heartbeat:{model}:{worker_id}"
 
 
+def inbox_stream(model: str, worker_id: str) -> str:
+    """One worker's own work stream: the router sends here what it wants that worker (its cache) to serve."""
+    return f"{PREFIX}:inbox:{model}:{worker_id}"
+
+
+def inboxes_key(model: str) -> str:
+    """Set of the worker ids that have an inbox: live workers adopt a dead one's inbox from it."""
+    return f"{PREFIX}:inboxes:{model}"
+
+
+def prefix_blocks_key(model: str, worker_id: str) -> str:
+    """Set of the KV block hashes a worker holds in its prefix cache (the prefix directory)."""
+    return f"{PREFIX}:prefix-blocks:{model}:{worker_id}"
+
+
 def cancel_key(request_id: str) -> str:
     return f"{PREFIX}:cancelled:{request_id}"
 
@@ -98,9 +113,16 @@ class SamplingOptions(BaseModel):
 
 
 class RoutingDecision(BaseModel):
+    """Why a request went where it went; carried to the worker and into the completion event."""
+
     model: str
-    reason: str
+    reason: str  # the tier (model) choice
     decided_at: float
+    worker: str | None = None  # None: the model's shared stream, any worker
+    worker_reason: str | None = None
+    prefix_tokens: int = 0  # of the prompt, cached on the chosen worker when the router looked
+    decision_ms: float | None = None  # time to choose the worker (directory lookup + scoring)
+    cache: str | None = None  # response cache: "miss", "exact", "semantic"; None when not asked
 
 
 class GenerateRequest(Message):
@@ -208,6 +230,7 @@ class ModelInfo(BaseModel):
     model_dir: str
     max_model_len: int
     tier: Annotated[str, Field(description="small / large / other")] = "other"
+    kv_block_size: int = 16  # tokens per KV block: the router hashes prompts in blocks of this size
 
 
 class WorkerStatus(BaseModel):
@@ -215,6 +238,7 @@ class WorkerStatus(BaseModel):
     model: str
     running: int
     waiting: int
+    inflight: int = 0  # requests taken from the streams and not finished (running, waiting, or starting)
     kv_blocks_used: int
     kv_blocks_total: int
     draining: bool = False

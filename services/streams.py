@@ -28,16 +28,19 @@ async def ensure_group(redis: aioredis.Redis, stream: str, group: str) -> None:
 
 @dataclass
 class Delivery:
+    stream: str
     entry_id: str
     fields: dict
     deliveries: int  # as Redis counts them, hand-backs excluded
     claimed: bool = False  # taken from another consumer: its work may be partly done
 
 
-async def read_new(redis: aioredis.Redis, stream: str, group: str, consumer: str, count: int,
-                   block_ms: int) -> list[Delivery]:
-    reply = await redis.xreadgroup(group, consumer, {stream: ">"}, count=count, block=block_ms)
-    return [Delivery(entry_id, fields, 1) for _, entries in reply or [] for entry_id, fields in entries]
+async def read_new(redis: aioredis.Redis, stream: str | list[str], group: str, consumer: str, count: int,
+                   block_ms: int | None) -> list[Delivery]:
+    """New entries of one stream or several (one round trip); `block_ms` None: do not wait."""
+    names = [stream] if isinstance(stream, str) else stream
+    reply = await redis.xreadgroup(group, consumer, dict.fromkeys(names, ">"), count=count, block=block_ms)
+    return [Delivery(name, entry_id, fields, 1) for name, entries in reply or [] for entry_id, fields in entries]
 
 
 class StaleClaimer:
@@ -60,7 +63,8 @@ class StaleClaimer:
         deliveries = []
         for entry_id, fields in claimed:  # the count after this claim, which XAUTOCLAIM added
             info = await self.redis.xpending_range(self.stream, self.group, min=entry_id, max=entry_id, count=1)
-            deliveries.append(Delivery(entry_id, fields, info[0]["times_delivered"] if info else 1, claimed=True))
+            deliveries.append(Delivery(self.stream, entry_id, fields, info[0]["times_delivered"] if info else 1,
+                                       claimed=True))
         return deliveries
 
 
@@ -90,8 +94,10 @@ async def refresh(redis: aioredis.Redis, stream: str, group: str, consumer: str,
 
 # Move an entry from one stream to another only if this consumer's acknowledgement is the one that counts:
 # a router that stalled past `claim_idle_ms` must not forward what another router already forwarded.
+# With a third key, `target` is an inbox and is registered in that set, so its adopters can find it.
 _FORWARD = """
 if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 1 then
+  if #KEYS == 3 then redis.call('SADD', KEYS[3], ARGV[6]) end
   return redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', ARGV[4], ARGV[5])
 end
 return false
@@ -99,11 +105,46 @@ return false
 
 
 async def forward(redis: aioredis.Redis, source: str, group: str, entry_id: str, target: str, message: p.Message,
-                  settings: StreamSettings) -> bool:
-    """Acknowledge `entry_id` and add `message` to `target`, atomically, once; False if already acknowledged."""
-    added = await redis.eval(_FORWARD, 2, source, target, group, entry_id, settings.stream_maxlen, p.FIELD,
-                             message.encode()[p.FIELD])
+                  settings: StreamSettings, registry: tuple[str, str] | None = None) -> bool:
+    """Acknowledge `entry_id` and add `message` to `target`, atomically, once; False if already acknowledged.
+    `registry`: (set, member) to add to in the same step (an inbox and its worker id)."""
+    keys = [source, target] + ([registry[0]] if registry else [])
+    args = [group, entry_id, settings.stream_maxlen, p.FIELD, message.encode()[p.FIELD]]
+    added = await redis.eval(_FORWARD, len(keys), *keys, *args, *([registry[1]] if registry else []))
     return added is not None
+
+
+# Delete an adopted inbox once nothing in it is pending or unread, atomically: a router's XADD lands either
+# before (and the inbox stays) or after (and recreates it, and registers it again: see `forward`).
+_RETIRE = """
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  redis.call('SREM', KEYS[2], ARGV[2])
+  return 1
+end
+local last_generated
+local info = redis.call('XINFO', 'STREAM', KEYS[1])
+for i = 1, #info, 2 do
+  if info[i] == 'last-generated-id' then last_generated = info[i + 1] end
+end
+local grouped = false
+for _, group in ipairs(redis.call('XINFO', 'GROUPS', KEYS[1])) do
+  local fields = {}
+  for i = 1, #group, 2 do fields[group[i]] = group[i + 1] end
+  if fields['name'] == ARGV[1] then
+    grouped = true
+    if fields['pending'] > 0 or fields['last-delivered-id'] ~= last_generated then return 0 end
+  end
+end
+if not grouped and redis.call('XLEN', KEYS[1]) > 0 then return 0 end
+redis.call('DEL', KEYS[1])
+redis.call('SREM', KEYS[2], ARGV[2])
+return 1
+"""
+
+
+async def retire(redis: aioredis.Redis, stream: str, group: str, registry: str, member: str) -> bool:
+    """Deletes `stream` and removes `member` from the `registry` set if the group has nothing left in it."""
+    return bool(await redis.eval(_RETIRE, 2, stream, registry, group, member))
 
 
 async def restarting(name: str, loop, log, backoff_s: float = 1.0) -> None:
@@ -131,14 +172,14 @@ async def hand_back(redis: aioredis.Redis, stream: str, group: str, consumer: st
                                retrycount=max(0, info[0]["times_delivered"] - 1), justid=True)
 
 
-async def dead_letter(redis: aioredis.Redis, stream: str, group: str, delivery: Delivery, reason: str,
+async def dead_letter(redis: aioredis.Redis, group: str, delivery: Delivery, reason: str,
                       request: p.GenerateRequest | None, settings: StreamSettings) -> None:
-    letter = p.DeadLetter(request_id=request.request_id if request else "", stream=stream,
+    letter = p.DeadLetter(request_id=request.request_id if request else "", stream=delivery.stream,
                           entry_id=delivery.entry_id, deliveries=delivery.deliveries, reason=reason, request=request,
                           traceparent=request.traceparent if request else None)
     async with redis.pipeline(transaction=True) as pipe:
         pipe.xadd(p.DEAD_LETTER_STREAM, letter.encode(), maxlen=settings.stream_maxlen, approximate=True)
-        pipe.xack(stream, group, delivery.entry_id)
+        pipe.xack(delivery.stream, group, delivery.entry_id)
         if request is not None:
             error = p.ErrorBody(message=f"request failed after {delivery.deliveries} deliveries: {reason}",
                                 type="server_error", code="dead_letter", status=500)
@@ -146,7 +187,7 @@ async def dead_letter(redis: aioredis.Redis, stream: str, group: str, delivery: 
         await pipe.execute()
 
 
-async def dead_letter_exhausted(redis: aioredis.Redis, stream: str, group: str, claimed: list[Delivery],
+async def dead_letter_exhausted(redis: aioredis.Redis, group: str, claimed: list[Delivery],
                                 settings: StreamSettings) -> list[Delivery]:
     """Claimed requests delivered more than `max_deliveries` times go to the dead-letter stream (their client
     gets an error); returns the others, to serve."""
@@ -159,7 +200,7 @@ async def dead_letter_exhausted(redis: aioredis.Redis, stream: str, group: str, 
             request = p.decode(p.GenerateRequest, delivery.fields)
         except ValueError:
             request = None
-        await dead_letter(redis, stream, group, delivery, "its workers kept failing", request, settings)
+        await dead_letter(redis, group, delivery, "its workers kept failing", request, settings)
     return fresh
 
 

@@ -8,9 +8,37 @@ oldest first, until a later request with the same prefix takes it back (`share`)
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 
-BlockKey = tuple[int, tuple[int, ...]]
+from .block_hash import BlockKey
+
+
+class KVEventLog:
+    """Hashes of blocks that entered or left the prefix cache since the last `drain`, for the fleet's prefix
+    directory. Bounded: an engine nobody drains (a benchmark, `LLM`) keeps only the latest events and says
+    it overflowed, so a drainer that fell behind resends its whole set instead of a gap. Locked: the async
+    engine steps in a thread while the worker drains on its event loop."""
+
+    def __init__(self, max_events: int = 1 << 16):
+        self.max_events = max_events
+        self._events: list[tuple[bool, int]] = []  # (added, block hash)
+        self._overflowed = False
+        self._lock = threading.Lock()
+
+    def record(self, added: bool, key: BlockKey) -> None:
+        with self._lock:
+            if len(self._events) >= self.max_events:
+                self._events.clear()
+                self._overflowed = True
+            self._events.append((added, hash(key)))
+
+    def drain(self) -> tuple[list[tuple[bool, int]], bool]:
+        """(events in order, whether some were lost since the last drain)."""
+        with self._lock:
+            events, overflowed = self._events, self._overflowed
+            self._events, self._overflowed = [], False
+        return events, overflowed
 
 
 class BlockPool:
@@ -23,6 +51,7 @@ class BlockPool:
         self._key_of: list[BlockKey | None] = [None] * num_blocks
         self._cached: dict[BlockKey, int] = {}
         self.num_evicted = 0
+        self.events = KVEventLog()
 
     @property
     def num_free(self) -> int:
@@ -50,6 +79,7 @@ class BlockPool:
                 del self._cached[key]
                 self._key_of[block] = None
                 self.num_evicted += 1
+                self.events.record(False, key)
         return blocks
 
     def share(self, blocks: list[int]) -> None:
@@ -73,6 +103,11 @@ class BlockPool:
         if self._key_of[block] is None and key not in self._cached:
             self._cached[key] = block
             self._key_of[block] = key
+            self.events.record(True, key)
 
     def lookup(self, key: BlockKey) -> int | None:
         return self._cached.get(key)
+
+    def cached_hashes(self) -> list[int]:
+        """Every block hash the cache holds now: a full resend after `events` overflowed."""
+        return [hash(key) for key in list(self._cached)]  # list(): one step under the GIL, safe beside a step

@@ -3,18 +3,9 @@ prefixes, release on finish."""
 
 from __future__ import annotations
 
-import hashlib
-
-from .block_pool import BlockKey, BlockPool
+from .block_hash import BlockKey, extend_keys
+from .block_pool import BlockPool
 from .sequence import Sequence
-
-# The parent hash of a sequence's first block.
-ROOT = 0
-
-
-def _root(cache_salt: str | None) -> int:
-    """A salted chain starts elsewhere; sha256, unlike `hash(str)`, is the same in every process."""
-    return ROOT if cache_salt is None else int.from_bytes(hashlib.sha256(cache_salt.encode()).digest()[:8], "big")
 
 
 def cdiv(a: int, b: int) -> int:
@@ -32,12 +23,8 @@ class KVCacheManager:
         self.num_hit_tokens = 0  # of which found
 
     def _extend_keys(self, seq: Sequence, num_blocks: int) -> list[BlockKey]:
-        keys = self._keys.setdefault(seq.seq_id, [])
-        bs = self.block_size
-        for i in range(len(keys), num_blocks):
-            parent = hash(keys[-1]) if keys else _root(seq.cache_salt)
-            keys.append((parent, tuple(seq.token_ids[i * bs:(i + 1) * bs])))
-        return keys
+        return extend_keys(self._keys.setdefault(seq.seq_id, []), seq.token_ids, self.block_size, num_blocks,
+                           seq.cache_salt)
 
     def reuse_cached_prefix(self, seq: Sequence) -> int:
         """For a sequence about to start: take the cached blocks of its longest cached prefix; returns the

@@ -193,6 +193,17 @@ class LLMEngine:
 
     # ---- introspection --------------------------------------------------------------------------------
 
+    def drain_kv_events(self, resend_all: bool = False) -> tuple[list[tuple[bool, int]], list[int] | None]:
+        """Prefix-cache changes since the last call, for the prefix directory: ([(added, block hash)], None),
+        or ([], every cached block hash) when events were lost (or `resend_all`: the receiver missed some)
+        and the receiver must replace what it knows. Safe to call while a step runs in the engine's thread."""
+        events, overflowed = self.kv.pool.events.drain()
+        return ([], self.kv.pool.cached_hashes()) if overflowed or resend_all else (events, None)
+
+    @property
+    def block_size(self) -> int:
+        return self.kv.block_size
+
     def stats(self) -> dict[str, float]:
         pool = self.kv.pool
         return {

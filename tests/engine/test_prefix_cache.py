@@ -110,3 +110,34 @@ def test_outputs_are_identical_with_prefix_caching_on_and_off(checkpoint, budget
         assert (stats["prefix_cache_hits"] > 0) == caching
         assert llm.engine.kv.pool.num_used == 0
     assert outputs[True] == outputs[False]
+
+
+def test_blocks_entering_and_leaving_the_cache_are_logged_by_their_chained_hash():
+    from gpu_worker.engine.block_hash import block_hashes
+
+    kv = KVCacheManager(num_blocks=3, block_size=BS)
+    first = _seq(1, list(range(9)))  # two full blocks and a partial one: the whole pool
+    _run_prefill(kv, first)
+    kv.free(first)
+    hashes = block_hashes(list(range(9)), BS)
+    assert kv.pool.events.drain() == ([(True, hashes[0]), (True, hashes[1])], False)
+    _run_prefill(kv, _seq(2, [70, 71, 72, 73, 74]))  # takes the partial block, then evicts the tail block
+    assert kv.pool.events.drain()[0][0] == (False, hashes[1])
+
+
+def test_a_salted_prompt_hashes_to_other_blocks():
+    from gpu_worker.engine.block_hash import block_hashes
+
+    assert block_hashes(list(range(8)), BS, "tenant-a") != block_hashes(list(range(8)), BS)
+    assert block_hashes(list(range(8)), BS, "tenant-a") == block_hashes(list(range(8)), BS, "tenant-a")
+
+
+def test_an_event_log_nobody_drains_stays_bounded_and_says_it_overflowed():
+    from gpu_worker.engine.block_pool import KVEventLog
+
+    log = KVEventLog(max_events=4)
+    for i in range(6):
+        log.record(True, (0, (i,)))
+    events, overflowed = log.drain()
+    assert overflowed and len(events) <= 4
+    assert log.drain() == ([], False)

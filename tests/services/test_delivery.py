@@ -29,7 +29,7 @@ def test_a_request_delivered_more_than_k_times_is_dead_lettered_and_its_client_g
         served = await streams.read_new(redis, stream, p.WORKER_GROUP, "worker-a", 1, 100)
         for owner in ("worker-b", "worker-c"):  # each takes it from a "dead" owner
             claimed = await streams.StaleClaimer(redis, stream, p.WORKER_GROUP, owner, settings).claim(10)
-            served = await streams.dead_letter_exhausted(redis, stream, p.WORKER_GROUP, claimed, settings)
+            served = await streams.dead_letter_exhausted(redis, p.WORKER_GROUP, claimed, settings)
         letters = [p.decode(p.DeadLetter, f) for _, f in await redis.xrange(p.DEAD_LETTER_STREAM)]
         replies = [c async for c in streams.follow_replies(redis, request.request_id, 5)]
         pending = (await redis.xpending(stream, p.WORKER_GROUP))["pending"]

@@ -1,0 +1,41 @@
+"""A request's prompt token ids exactly as its worker will compute them (the model's own tokenizer and
+chat template, through the engine's `Tokenizer`), so the router can hash the prompt's KV blocks and ask the
+prefix directory who holds them, and count prompt tokens for the tier rule."""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+from gpu_worker.engine.errors import InvalidRequestError, ModelLoadError
+from gpu_worker.engine.tokenizer import Tokenizer
+from services import protocol as p
+
+log = logging.getLogger(__name__)
+
+
+class PromptEncoder:
+    def __init__(self, max_tokenizers: int = 8):
+        self._tokenizer = functools.lru_cache(maxsize=max_tokenizers)(self._load)
+
+    @staticmethod
+    def _load(model_dir: str) -> Tokenizer | None:
+        try:
+            return Tokenizer(model_dir)
+        except ModelLoadError:  # the model's files are not on this host: route by load alone
+            log.warning("no tokenizer at %s: routing without prefix matching", model_dir)
+            return None
+
+    def prompt_ids(self, request: p.GenerateRequest, model_dir: str) -> list[int] | None:
+        """None when this host cannot tell (no tokenizer) or the worker will reject the prompt anyway."""
+        if request.kind == "completion" and isinstance(request.prompt, list):
+            return request.prompt
+        tokenizer = self._tokenizer(model_dir)
+        if tokenizer is None:
+            return None
+        try:
+            if request.kind == "chat":
+                return tokenizer.apply_chat_template(request.messages or [])
+            return tokenizer.encode(request.prompt or "")
+        except (InvalidRequestError, ValueError, TypeError):
+            return None
