@@ -16,10 +16,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway.admission import Admission, alive_workers, served_models
-from gateway.auth import authenticate, register_key
+from gateway.auth import ApiKey, authenticate, register_key
 from gateway.idempotency import Idempotency
 from gateway.relay import Relay
-from gateway.schemas import ChatCompletionRequest, CompletionRequest, RequestError, parse
+from gateway.schemas import CACHE_HEADER, ChatCompletionRequest, CompletionRequest, RequestError, cache_mode, parse
 from services import protocol as p
 from services.settings import GatewaySettings, RouterSettings, StreamSettings
 
@@ -71,8 +71,8 @@ class Gateway:
     """The handlers, over the components they share; `create_app` wires them to routes."""
 
     def __init__(self, redis: aioredis.Redis, settings: GatewaySettings, tiers: RouterSettings,
-                 stream_settings: StreamSettings):
-        self.redis, self.settings = redis, settings
+                 stream_settings: StreamSettings, default_cache_mode: p.CacheMode = "off"):
+        self.redis, self.settings, self.default_cache_mode = redis, settings, default_cache_mode
         self.idempotency = Idempotency(redis, settings.idempotency_ttl_s)
         self.relay = Relay(redis, Admission(redis, settings, tiers), self.idempotency, settings, stream_settings)
         self.metrics = GatewayMetrics()
@@ -81,7 +81,7 @@ class Gateway:
         if self.settings.dev_key:
             await register_key(self.redis, "dev", self.settings.dev_key)
 
-    async def authenticated(self, request: Request) -> tuple[str, str]:
+    async def authenticated(self, request: Request) -> ApiKey:
         found = await authenticate(self.redis, request.headers.get("authorization"))
         if found is None:
             raise RequestError(p.ErrorBody(message="Incorrect or missing API key; pass it as 'Authorization: "
@@ -90,19 +90,21 @@ class Gateway:
         return found
 
     async def generate(self, request: Request, schema) -> Response:
-        key_hash, key_name = await self.authenticated(request)
+        api_key = await self.authenticated(request)
         try:
             body = json.loads(await request.body())
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise RequestError(p.ErrorBody(message=f"could not parse the JSON body: {exc}")) from None
         req = parse(schema, body)
-        message = req.to_message(request.state.request_id, key_name)
+        message = req.to_message(request.state.request_id, api_key.name)
         message.traceparent = _traceparent(request.headers.get("traceparent"))
+        message.cache_mode = cache_mode(req.cache, request.headers.get(CACHE_HEADER), api_key.cache_mode,
+                                        self.default_cache_mode)
         if key := request.headers.get("idempotency-key"):
-            first = await self.idempotency.claim(key_hash, key, message)
+            first = await self.idempotency.claim(api_key.hash, key, message)
             if first is not None:
                 return await self.relay.replay(req, first)
-        return await self.relay.run(req, message, (key_hash, key) if key else None, request.is_disconnected)
+        return await self.relay.run(req, message, (api_key.hash, key) if key else None, request.is_disconnected)
 
     async def chat_completions(self, request: Request) -> Response:
         return await self.generate(request, ChatCompletionRequest)
@@ -146,8 +148,8 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
 
 
 def create_app(redis: aioredis.Redis, settings: GatewaySettings, tiers: RouterSettings,
-               stream_settings: StreamSettings) -> FastAPI:
-    gateway = Gateway(redis, settings, tiers, stream_settings)
+               stream_settings: StreamSettings, default_cache_mode: p.CacheMode = "off") -> FastAPI:
+    gateway = Gateway(redis, settings, tiers, stream_settings, default_cache_mode)
     app = FastAPI(title="tokenfleet gateway", on_startup=[gateway.register_dev_key])
     app.add_middleware(RequestStamp, metrics=gateway.metrics)
     app.add_exception_handler(RequestError, _request_error)

@@ -6,6 +6,7 @@ import hashlib
 import json
 import secrets
 import time
+from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
@@ -18,17 +19,29 @@ def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-async def register_key(redis: aioredis.Redis, name: str, key: str | None = None) -> str:
+@dataclass(frozen=True)
+class ApiKey:
+    hash: str
+    name: str  # the tenant: response caches, and later the ledger, are scoped by it
+    cache_mode: p.CacheMode | None = None  # the response caches for its requests that ask for none
+
+
+async def register_key(redis: aioredis.Redis, name: str, key: str | None = None,
+                       cache_mode: p.CacheMode | None = None) -> str:
     """Stores the hash of `key` (a new random key when None) under `name`; returns the key."""
     key = key or KEY_PREFIX + secrets.token_urlsafe(32)
-    await redis.hset(p.API_KEYS_KEY, hash_key(key), json.dumps({"name": name, "created": int(time.time())}))
+    record = {"name": name, "created": int(time.time())} | ({"cache": cache_mode} if cache_mode else {})
+    await redis.hset(p.API_KEYS_KEY, hash_key(key), json.dumps(record))
     return key
 
 
-async def authenticate(redis: aioredis.Redis, authorization: str | None) -> tuple[str, str] | None:
-    """(key hash, key name) for a known bearer key, else None."""
+async def authenticate(redis: aioredis.Redis, authorization: str | None) -> ApiKey | None:
+    """The known bearer key, else None."""
     if not authorization or not authorization.lower().startswith("bearer "):
         return None
     digest = hash_key(authorization[7:].strip())
     record = await redis.hget(p.API_KEYS_KEY, digest)
-    return (digest, json.loads(record)["name"]) if record else None
+    if not record:
+        return None
+    fields = json.loads(record)
+    return ApiKey(digest, fields["name"], fields.get("cache"))

@@ -7,12 +7,12 @@ import uvicorn
 from gateway.app import create_app
 from services.gc_tuning import freeze_startup_objects
 from services.redis_client import connect
-from services.settings import GatewaySettings, RouterSettings, StreamSettings
+from services.settings import CacheSettings, GatewaySettings, RouterSettings, StreamSettings
 
 
 async def serve(settings: GatewaySettings, redis_url: str) -> None:
     redis = connect(redis_url)
-    app = create_app(redis, settings, RouterSettings(), StreamSettings())
+    app = create_app(redis, settings, RouterSettings(), StreamSettings(), CacheSettings().default_mode)
     freeze_startup_objects()
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning", access_log=False)
     try:

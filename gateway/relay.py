@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from gateway.admission import Admission
 from gateway.idempotency import FirstRequest, Idempotency
 from gateway.render import ResponseBuilder
-from gateway.schemas import ChatCompletionRequest, RequestError
+from gateway.schemas import CACHE_HEADER, ChatCompletionRequest, RequestError
 from services import protocol as p
 from services.settings import GatewaySettings, StreamSettings
 from services.streams import follow_replies
@@ -70,17 +70,18 @@ class Relay:
         kind = "chat" if isinstance(req, ChatCompletionRequest) else "completion"
         builder = ResponseBuilder(kind, f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{rid}", created, first.model,
                                   req.include_usage, req.wants_logprobs)
+        marked = {CACHE_HEADER: first.cache} if first.cache else {}
         if req.stream:
             progress = _StreamProgress()
             return _RelayedStream(self._events(builder, replies, req, progress), media_type="text/event-stream",
-                                  headers={"Cache-Control": "no-cache"},
+                                  headers={"Cache-Control": "no-cache", **marked},
                                   on_close=lambda: self._closed(req.model, rid, owner, progress))
         body = await self._collect(builder, replies, req.n)
         if owner:
             self._later(self.admission.release(req.model, rid))
         if store is not None:
             await self.idempotency.store_result(*store, body)
-        return JSONResponse(body)
+        return JSONResponse(body, headers=marked)
 
     async def _first(self, replies: AsyncIterator[p.ReplyChunk]) -> p.ReplyChunk:
         try:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -59,6 +59,8 @@ class _Common(BaseModel):
     repetition_penalty: float = Field(default=1.0, gt=0.0)
     ignore_eos: bool = False
     cache_salt: str | None = Field(default=None, min_length=1)
+    # tokenfleet's: the response caches for this request (else the API key's, else the deployment's default)
+    cache: p.CacheMode | None = None
 
     @field_validator("stop")
     @classmethod
@@ -128,6 +130,18 @@ class CompletionRequest(_Common):
         return p.GenerateRequest(request_id=request_id, kind="completion", model=self.model, prompt=self.prompt,
                                  sampling=self.sampling(self.max_tokens, self.logprobs), api_key_name=api_key_name,
                                  user=self.user, cache_salt=self.cache_salt)
+
+
+CACHE_HEADER = "x-tokenfleet-cache"  # a request's cache mode (as the body's `cache`); a response's cache answer
+
+
+def cache_mode(body: p.CacheMode | None, header: str | None, key_default: p.CacheMode | None,
+               default: p.CacheMode) -> p.CacheMode:
+    """The body's choice, else the header's, else the API key's, else the deployment's."""
+    if header is not None and header not in get_args(p.CacheMode):
+        raise RequestError(p.ErrorBody(message=f"{CACHE_HEADER} must be one of {', '.join(get_args(p.CacheMode))}",
+                                       param=CACHE_HEADER))
+    return body or header or key_default or default
 
 
 def parse(cls: type[_Common], body: Any) -> _Common:

@@ -9,6 +9,7 @@ import signal
 import socket
 from pathlib import Path
 
+from cache.response_cache import ResponseCache
 from gpu_worker.engine import AsyncLLMEngine, EngineConfig, LLMEngine
 from gpu_worker.engine.builtin_models import BUILTIN_MODELS
 from gpu_worker.metrics import serve_metrics
@@ -16,7 +17,7 @@ from gpu_worker.service import Worker
 from services import protocol as p
 from services.gc_tuning import freeze_startup_objects
 from services.redis_client import connect
-from services.settings import StreamSettings, WorkerSettings
+from services.settings import CacheSettings, StreamSettings, WorkerSettings
 
 
 def served_name(settings: WorkerSettings) -> str:
@@ -44,6 +45,6 @@ async def serve(settings: WorkerSettings, redis_url: str) -> None:
     logging.getLogger(__name__).info("worker %s serving %s (metrics on port %s)", worker_id, name, metrics_port)
     try:
         await Worker(redis, AsyncLLMEngine(engine), info, worker_id, settings, StreamSettings(),
-                     metrics_port).run(stop)
+                     ResponseCache(redis, CacheSettings()), metrics_port).run(stop)
     finally:
         await redis.aclose()

@@ -42,7 +42,7 @@ def logprob_entries(engine: LLMEngine, delta: CompletionOutput, top_n: int) -> l
 @dataclass
 class ChoiceHistory:
     token_ids: list[int] = field(default_factory=list)
-    text_emitted: int = 0
+    text: str = ""
     finish_reason: str | None = None
 
 
@@ -72,7 +72,7 @@ class ReplyHistory:
         if chunk.position != len(choice.token_ids):
             return  # a repeat
         choice.token_ids.extend(chunk.token_ids)
-        choice.text_emitted += len(chunk.text)
+        choice.text += chunk.text
         choice.finish_reason = chunk.finish_reason
         if self.first_delta_at is None and chunk.token_ids:
             self.first_delta_at = int(entry_id.split("-")[0]) / 1000
@@ -81,8 +81,14 @@ class ReplyHistory:
         """None when nothing was produced yet (start afresh, sharing the prompt across samples)."""
         if not any(c.token_ids for c in self.choices.values()):
             return None
-        return [ResumedChoice(i, c.token_ids, c.text_emitted)
+        return [ResumedChoice(i, c.token_ids, len(c.text))
                 for i in range(n) if (c := self.choices.get(i, ChoiceHistory())).finish_reason is None]
+
+    def completion(self, model: str, usage: p.Usage, max_tokens: int | None) -> p.CachedCompletion:
+        """The whole response, for the response caches."""
+        return p.CachedCompletion(model=model, usage=usage, max_tokens=max_tokens, choices=[
+            p.CachedChoice(text=c.text, token_ids=c.token_ids, finish_reason=c.finish_reason)
+            for _, c in sorted(self.choices.items())])
 
     def completion_tokens(self) -> int:
         return sum(len(c.token_ids) for c in self.choices.values())

@@ -19,6 +19,7 @@ from collections import defaultdict
 import redis.asyncio as aioredis
 
 from cache.prefix_directory import PrefixDirectory
+from cache.response_cache import ResponseCache
 from gpu_worker.engine import AsyncLLMEngine, InvalidRequestError, RequestOutput
 from gpu_worker.orphan_inboxes import OrphanInboxes
 from gpu_worker.request_codec import ReplyHistory, logprob_entries, prompt_ids, sampling_params
@@ -31,8 +32,10 @@ log = logging.getLogger(__name__)
 
 class Worker:
     def __init__(self, redis: aioredis.Redis, engine: AsyncLLMEngine, info: p.ModelInfo, worker_id: str,
-                 settings: WorkerSettings, stream_settings: StreamSettings, metrics_port: int | None = None):
+                 settings: WorkerSettings, stream_settings: StreamSettings, caches: ResponseCache,
+                 metrics_port: int | None = None):
         self.redis, self.engine, self.info, self.worker_id = redis, engine, info, worker_id
+        self.caches = caches
         self.settings, self.streams = settings, stream_settings
         self.shared = p.work_stream(info.name)  # what the router sends to no worker in particular
         self.inbox = p.inbox_stream(info.name, worker_id)
@@ -158,7 +161,8 @@ class Worker:
             return
         if history.started is None:
             started = p.ReplyChunk(kind="started", worker_id=self.worker_id, model=self.info.name,
-                                   prompt_tokens=len(ids), traceparent=request.traceparent)
+                                   prompt_tokens=len(ids), cache=_cache_result(request),
+                                   traceparent=request.traceparent)
             self.replies.publish_nowait(rid, [started])  # ordered before the deltas; no need to wait for it
         clock = _Clock(request.enqueued_at, history.first_delta_at)
         positions = {i: len(c.token_ids) for i, c in history.choices.items()}
@@ -171,13 +175,25 @@ class Worker:
                         cached_tokens=last.num_cached_tokens if last else 0)
         timing = clock.timing(usage.completion_tokens, last.engine_seconds if last else 0.0)
         finished = p.ReplyChunk(kind="finished", worker_id=self.worker_id, model=self.info.name, usage=usage,
-                                timing=timing)
+                                timing=timing, cache=_cache_result(request))
         event = p.CompletionEvent(request_id=rid, model=self.info.name, worker_id=self.worker_id,
                                   api_key_name=request.api_key_name, user=request.user,
                                   finish_reasons=[finish_reasons.get(i) for i in range(params.n)], usage=usage,
                                   timing=timing, routing=request.routing, deliveries=delivery.deliveries,
                                   traceparent=request.traceparent)
         await self._close(delivery, rid, [finished], event)
+        if request.cache_fill is not None:
+            await self._fill_cache(request, usage)
+
+    async def _fill_cache(self, request: p.GenerateRequest, usage: p.Usage) -> None:
+        """The whole response, as its reply stream holds it (a resumed request's too), into the caches.
+        After the acknowledgement: a cache write that fails costs a later hit, never this request."""
+        try:
+            history = ReplyHistory.of(await streams.reply_history(self.redis, request.request_id))
+            completion = history.completion(self.info.name, usage, request.sampling.max_tokens)
+            await self.caches.store(request.cache_fill, completion)
+        except Exception:
+            log.exception("storing request %s in the response cache failed", request.request_id)
 
     async def _relay(self, rid: str, ids: list[int], params, resume, cache_salt: str | None,
                      positions: dict[int, int], finish_reasons: dict[int, str | None],
@@ -280,6 +296,10 @@ class _Clock:
         tpot = (now - first) / (completion_tokens - 1) if completion_tokens > 1 else 0.0
         return p.Timing(queue_s=self.admitted_at - self.enqueued_at, ttft_s=first - self.enqueued_at, tpot_s=tpot,
                         e2e_s=now - self.enqueued_at, engine_s=now - self.admitted_at, engine_step_s=engine_step_s)
+
+
+def _cache_result(request: p.GenerateRequest) -> str | None:
+    return request.routing.cache if request.routing else None
 
 
 def _by_stream(deliveries) -> dict[str, list[str]]:

@@ -7,12 +7,13 @@ import os
 import signal
 import socket
 
+from cache.response_cache import ResponseCache
 from router.policy import TierPolicy, TierRule
 from router.service import Router
 from router.worker_choice import WorkerChooser
 from services.gc_tuning import freeze_startup_objects
 from services.redis_client import connect
-from services.settings import RouterSettings, StreamSettings
+from services.settings import CacheSettings, RouterSettings, StreamSettings
 
 
 def tier_policy(settings: RouterSettings) -> TierPolicy:
@@ -37,6 +38,7 @@ async def serve(settings: RouterSettings, redis_url: str) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
-        await Router(redis, tiers, chooser, f"{socket.gethostname()}-{os.getpid()}", StreamSettings()).run(stop)
+        caches, router_id = ResponseCache(redis, CacheSettings()), f"{socket.gethostname()}-{os.getpid()}"
+        await Router(redis, tiers, chooser, caches, router_id, StreamSettings()).run(stop)
     finally:
         await redis.aclose()

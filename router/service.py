@@ -1,7 +1,7 @@
 """The router: a consumer group on the request stream. For each request it picks the model (tier), answers
-it from the response cache when it may, or else picks the worker (prefix cache against load) and moves it to
-that worker's inbox in one transaction with its acknowledgement. Every choice and its reason is stamped on
-the request, which carries them to the worker and into the completion event."""
+it from the response cache when it may (and was asked to), or else picks the worker (prefix cache against
+load) and moves it to that worker's inbox in one transaction with its acknowledgement. Every choice and its
+reason is stamped on the request, which carries them to the worker and into the completion event."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ import time
 import redis.asyncio as aioredis
 
 from cache.prefix_directory import PrefixDirectory
+from cache.response_cache import ResponseCache
 from gpu_worker.engine.block_hash import block_hashes
+from router.cache_replay import answer_from_cache
 from router.fleet_view import FleetView
 from router.policy import TierPolicy
 from router.prompt_encoder import PromptEncoder
@@ -25,9 +27,9 @@ log = logging.getLogger(__name__)
 
 
 class Router:
-    def __init__(self, redis: aioredis.Redis, tiers: TierPolicy, chooser: WorkerChooser, router_id: str,
-                 stream_settings: StreamSettings):
-        self.redis, self.tiers, self.chooser = redis, tiers, chooser
+    def __init__(self, redis: aioredis.Redis, tiers: TierPolicy, chooser: WorkerChooser, caches: ResponseCache,
+                 router_id: str, stream_settings: StreamSettings):
+        self.redis, self.tiers, self.chooser, self.caches = redis, tiers, chooser, caches
         self.router_id, self.streams = router_id, stream_settings
         self.encoder = PromptEncoder()
         self.fleet = FleetView(redis)
@@ -65,6 +67,11 @@ class Router:
         models = await self._models()
         model, reason = await self.tiers.choose(request, models, self.encoder, await self._alive(request))
         request.routing = p.RoutingDecision(model=model, reason=reason, decided_at=time.time())
+        cached = await self.caches.lookup(request, model)
+        request.routing.cache, request.cache_fill = cached.result, cached.fill
+        if cached.completion is not None:
+            await answer_from_cache(self.redis, delivery.entry_id, request, cached, self.streams)
+            return
         target, registry = await self._place(request, models.get(model))
         await streams.forward(self.redis, p.REQUESTS_STREAM, p.ROUTER_GROUP, delivery.entry_id, target, request,
                               self.streams, registry)

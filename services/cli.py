@@ -109,7 +109,7 @@ def _keys_create(args: argparse.Namespace) -> int:
     async def create() -> str:
         redis = connect(_redis_url())
         try:
-            return await register_key(redis, args.name)
+            return await register_key(redis, args.name, cache_mode=args.cache)
         finally:
             await redis.aclose()
 
@@ -149,7 +149,9 @@ def _add_service_commands(sub) -> None:
     keys = sub.add_parser("keys", help="API keys")
     keys_sub = keys.add_subparsers(dest="keys", required=True)
     create = keys_sub.add_parser("create", help="create a key (printed once; stored hashed)")
-    create.add_argument("name")
+    create.add_argument("name", help="the tenant: response caches (and the ledger) are kept per name")
+    create.add_argument("--cache", choices=["off", "exact", "semantic"], default=None,
+                        help="response caches for this key's requests that choose none (default: the deployment's)")
     create.set_defaults(func=_keys_create)
 
 

@@ -125,6 +125,18 @@ class RoutingDecision(BaseModel):
     cache: str | None = None  # response cache: "miss", "exact", "semantic"; None when not asked
 
 
+CacheMode = Literal["off", "exact", "semantic"]  # semantic also answers exact repeats
+
+
+class CacheFill(BaseModel):
+    """Set by the router on a response-cache miss: what the worker stores once the request finishes."""
+
+    tenant: str
+    exact_key: str | None = None  # a deterministic request: its Redis key in the exact cache
+    semantic_text: str | None = None  # the conversation as embedded
+    semantic_vector: str | None = None  # its embedding (base64 float32): computed once, by the router
+
+
 class GenerateRequest(Message):
     request_id: str
     kind: Literal["chat", "completion"]
@@ -135,6 +147,8 @@ class GenerateRequest(Message):
     api_key_name: str | None = None
     user: str | None = None
     cache_salt: str | None = None  # prefix-cache hits only among requests with the same salt
+    cache_mode: CacheMode = "off"  # the response caches: as the request or else its API key asks
+    cache_fill: CacheFill | None = None
     created: int = Field(default_factory=lambda: int(time.time()))
     enqueued_at: float = Field(default_factory=time.time)
     routing: RoutingDecision | None = None
@@ -180,6 +194,7 @@ class ReplyChunk(Message):
     finish_reason: str | None = None  # on a choice's last delta
     model: str | None = None  # on "started": the model that serves the request
     prompt_tokens: int | None = None  # on "started"
+    cache: str | None = None  # on "started" and "finished": the response cache's answer (routing.cache)
     usage: Usage | None = None  # on "finished"
     timing: Timing | None = None  # on "finished"
     error: ErrorBody | None = None  # on "error"
@@ -258,6 +273,7 @@ class CachedCompletion(BaseModel):
     model: str
     choices: list[CachedChoice]
     usage: Usage
+    max_tokens: int | None = None  # the limit it was generated under: a choice cut by it fits only the same limit
     created_at: float = Field(default_factory=time.time)
 
 

@@ -6,6 +6,8 @@ Each service gets only its own settings object; the README's settings table list
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import AliasChoices, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -63,7 +65,7 @@ class CacheSettings(BaseSettings):
     """The response caches (exact and semantic), read by the router and filled by the workers."""
 
     model_config = SettingsConfigDict(env_prefix="TOKENFLEET_CACHE_")
-    default_mode: str = "off"  # for keys that set none: off / exact / semantic (semantic also looks up exact)
+    default_mode: Literal["off", "exact", "semantic"] = "off"  # for keys that set none (semantic: exact too)
     exact_ttl_s: int = 3600
     semantic_ttl_s: int = 3600
     semantic_threshold: float = 0.9  # cosine similarity of the conversations' embeddings

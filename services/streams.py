@@ -183,7 +183,7 @@ async def dead_letter(redis: aioredis.Redis, group: str, delivery: Delivery, rea
         if request is not None:
             error = p.ErrorBody(message=f"request failed after {delivery.deliveries} deliveries: {reason}",
                                 type="server_error", code="dead_letter", status=500)
-            _add_reply(pipe, request.request_id, p.ReplyChunk(kind="error", error=error), settings)
+            add_reply(pipe, request.request_id, p.ReplyChunk(kind="error", error=error), settings)
         await pipe.execute()
 
 
@@ -204,7 +204,7 @@ async def dead_letter_exhausted(redis: aioredis.Redis, group: str, claimed: list
     return fresh
 
 
-def _add_reply(pipe, request_id: str, chunk: p.ReplyChunk, settings: StreamSettings) -> None:
+def add_reply(pipe, request_id: str, chunk: p.ReplyChunk, settings: StreamSettings) -> None:
     key = p.reply_stream(request_id)
     pipe.xadd(key, chunk.encode())
     pipe.expire(key, settings.reply_ttl_s)
@@ -246,7 +246,7 @@ class ReplyPublisher:
         batch, self._pending, self._flush = self._pending, [], None
         async with self._order, self.redis.pipeline(transaction=False) as pipe:  # one write at a time: FIFO
             for request_id, chunk in batch:
-                _add_reply(pipe, request_id, chunk, self.settings)
+                add_reply(pipe, request_id, chunk, self.settings)
             await pipe.execute()
 
 

@@ -70,6 +70,17 @@ class Stack:
             assert time.monotonic() < deadline and proc.poll() is None, "the worker did not come up"
             time.sleep(0.3)
 
+    def completion_event(self, response_id: str, timeout_s: float = 10) -> p.CompletionEvent:
+        """The completion event of the request behind an OpenAI response id (`chatcmpl-<request id>`)."""
+        request_id = response_id.split("-", 1)[1]
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for _, fields in self.redis().xrange(p.EVENTS_STREAM):
+                if (event := p.decode(p.CompletionEvent, fields)).request_id == request_id:
+                    return event
+            time.sleep(0.1)
+        raise AssertionError(f"no completion event for {request_id}")
+
     def worker_statuses(self, model: str = MODEL) -> list[p.WorkerStatus]:
         r = self.redis()
         return [p.WorkerStatus.model_validate_json(raw) for key in r.scan_iter(f"{p.PREFIX}:heartbeat:{model}:*")

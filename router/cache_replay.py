@@ -1,0 +1,41 @@
+"""A response-cache hit, answered on the request's reply stream as a worker would answer it (started, one
+delta per choice, finished), so the gateway serves it through its normal path, streaming or not; with the
+completion event that lets the ledger price it, and the request's acknowledgement, in one transaction."""
+
+from __future__ import annotations
+
+import time
+
+import redis.asyncio as aioredis
+
+from cache.response_cache import CacheLookup
+from services import protocol as p
+from services import streams
+from services.settings import StreamSettings
+
+CACHE_WORKER = "response-cache"  # the worker_id of answers that no worker computed
+
+
+async def answer_from_cache(redis: aioredis.Redis, entry_id: str, request: p.GenerateRequest, hit: CacheLookup,
+                            settings: StreamSettings) -> None:
+    completion, rid = hit.completion, request.request_id
+    model = request.routing.model
+    usage = completion.usage.model_copy(update={"cached_tokens": completion.usage.prompt_tokens})
+    now = time.time()
+    elapsed = now - request.enqueued_at
+    timing = p.Timing(queue_s=elapsed, ttft_s=elapsed, tpot_s=0.0, e2e_s=elapsed, engine_s=0.0, engine_step_s=0.0)
+    chunks = [p.ReplyChunk(kind="started", worker_id=CACHE_WORKER, model=model, prompt_tokens=usage.prompt_tokens,
+                           cache=hit.result, traceparent=request.traceparent)]
+    chunks += [p.ReplyChunk(kind="delta", worker_id=CACHE_WORKER, index=i, token_ids=c.token_ids, text=c.text,
+                            finish_reason=c.finish_reason) for i, c in enumerate(completion.choices)]
+    chunks.append(p.ReplyChunk(kind="finished", worker_id=CACHE_WORKER, model=model, usage=usage, timing=timing,
+                               cache=hit.result))
+    event = p.CompletionEvent(request_id=rid, model=model, worker_id=CACHE_WORKER, api_key_name=request.api_key_name,
+                              user=request.user, finish_reasons=[c.finish_reason for c in completion.choices],
+                              usage=usage, timing=timing, routing=request.routing, traceparent=request.traceparent)
+    async with redis.pipeline(transaction=True) as pipe:
+        for chunk in chunks:
+            streams.add_reply(pipe, rid, chunk, settings)
+        pipe.xadd(p.EVENTS_STREAM, event.encode(), maxlen=settings.stream_maxlen, approximate=True)
+        pipe.xack(p.REQUESTS_STREAM, p.ROUTER_GROUP, entry_id)
+        await pipe.execute()
