@@ -14,23 +14,28 @@ from services import protocol as p
 
 
 class FleetView:
-    def __init__(self, redis: aioredis.Redis):
-        self.redis = redis
+    def __init__(self, redis: aioredis.Redis, max_age_s: float = 0.1):
+        self.redis, self.max_age_s = redis, max_age_s
         self._sent: dict[str, deque[float]] = defaultdict(deque)  # worker id -> times this router sent it work
+        # model -> (read at, [(worker id, status)]): heartbeats change twice a second, decisions come far more
+        # often; re-reading them for each would add a Redis round trip to every decision.
+        self._statuses: dict[str, tuple[float, list[p.WorkerStatus]]] = {}
 
     async def workers(self, model: str) -> list[WorkerLoad]:
         """Live, not draining, in a stable order."""
+        read_at, statuses = self._statuses.get(model, (0.0, []))
+        if time.monotonic() - read_at > self.max_age_s:
+            statuses = await self._read(model)
+            self._statuses[model] = (time.monotonic(), statuses)
+        return [WorkerLoad(s.worker_id, s.inflight + self._sent_since(s.worker_id, s.updated_at)) for s in statuses]
+
+    async def _read(self, model: str) -> list[p.WorkerStatus]:
         ids = sorted(await self.redis.zrangebyscore(p.workers_key(model), time.time(), "+inf"))
         if not ids:
             return []
-        loads = []
-        for worker_id, raw in zip(ids, await self.redis.mget([p.heartbeat_key(model, w) for w in ids]), strict=True):
-            if raw is None:
-                continue
-            status = p.WorkerStatus.model_validate_json(raw)
-            if not status.draining:
-                loads.append(WorkerLoad(worker_id, status.inflight + self._sent_since(worker_id, status.updated_at)))
-        return loads
+        raws = await self.redis.mget([p.heartbeat_key(model, w) for w in ids])
+        statuses = [p.WorkerStatus.model_validate_json(raw) for raw in raws if raw is not None]
+        return [s for s in statuses if not s.draining]
 
     def sent(self, worker_id: str) -> None:
         self._sent[worker_id].append(time.time())

@@ -10,7 +10,7 @@ import socket
 from cache.response_cache import ResponseCache
 from router.policy import TierPolicy, TierRule
 from router.service import Router
-from router.worker_choice import WorkerChooser
+from router.worker_choice import RoundRobinChooser, WorkerChooser
 from services.gc_tuning import freeze_startup_objects
 from services.redis_client import connect
 from services.settings import CacheSettings, RouterSettings, StreamSettings
@@ -29,7 +29,8 @@ def tier_policy(settings: RouterSettings) -> TierPolicy:
 
 
 async def serve(settings: RouterSettings, redis_url: str) -> None:
-    chooser = WorkerChooser(settings.min_prefix_tokens, settings.load_cost_tokens)
+    chooser = (RoundRobinChooser() if settings.worker_policy == "round_robin" else
+               WorkerChooser(settings.min_prefix_tokens, settings.load_cost_tokens))
     tiers = tier_policy(settings)
     redis = connect(redis_url)
     freeze_startup_objects()

@@ -18,7 +18,8 @@ from router.cache_replay import answer_from_cache
 from router.fleet_view import FleetView
 from router.policy import TierPolicy
 from router.prompt_encoder import PromptEncoder
-from router.worker_choice import WorkerChooser
+from router.sent_prefixes import SentPrefixes
+from router.worker_choice import RoundRobinChooser, WorkerChooser
 from services import protocol as p
 from services import streams
 from services.settings import StreamSettings
@@ -27,12 +28,13 @@ log = logging.getLogger(__name__)
 
 
 class Router:
-    def __init__(self, redis: aioredis.Redis, tiers: TierPolicy, chooser: WorkerChooser, caches: ResponseCache,
-                 router_id: str, stream_settings: StreamSettings):
+    def __init__(self, redis: aioredis.Redis, tiers: TierPolicy, chooser: WorkerChooser | RoundRobinChooser,
+                 caches: ResponseCache, router_id: str, stream_settings: StreamSettings):
         self.redis, self.tiers, self.chooser, self.caches = redis, tiers, chooser, caches
         self.router_id, self.streams = router_id, stream_settings
         self.encoder = PromptEncoder()
         self.fleet = FleetView(redis)
+        self.sent_prefixes = SentPrefixes()
 
     async def run(self, stop: asyncio.Event) -> None:
         await streams.ensure_group(self.redis, p.REQUESTS_STREAM, p.ROUTER_GROUP)
@@ -89,8 +91,9 @@ class Router:
         block_size = info.kv_block_size if info else 16
         hashes = block_hashes(ids, block_size, request.cache_salt) if ids else []
         blocks = await PrefixDirectory(self.redis, model).cached_blocks(hashes, [w.worker_id for w in workers])
-        choice = self.chooser.choose(workers, {w: n * block_size for w, n in blocks.items()},
-                                     hashes[0] if hashes else 0)
+        cached = {w: max(n, self.sent_prefixes.leading_blocks(w, hashes)) * block_size for w, n in blocks.items()}
+        choice = self.chooser.choose(workers, cached, hashes[0] if hashes else 0)
+        self.sent_prefixes.record(choice.worker_id, hashes)
         decision.decision_ms = (time.perf_counter() - started) * 1000
         decision.worker, decision.worker_reason, decision.prefix_tokens = (choice.worker_id, choice.reason,
                                                                            choice.cached_tokens)

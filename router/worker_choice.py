@@ -56,6 +56,18 @@ class WorkerChooser:
         return WorkerChoice(best.worker_id, cached_tokens.get(best.worker_id, 0), reason)
 
 
+@dataclass
+class RoundRobinChooser:
+    """The baseline `tokenfleet bench routing` compares against: each worker in turn, blind to caches and load."""
+
+    turn: int = 0
+
+    def choose(self, workers: list[WorkerLoad], cached_tokens: dict[str, int], affinity_key: int) -> WorkerChoice:
+        worker = workers[self.turn % len(workers)]
+        self.turn += 1
+        return WorkerChoice(worker.worker_id, cached_tokens.get(worker.worker_id, 0), "round robin")
+
+
 def _rendezvous(key: int, worker_id: str) -> int:
     digest = hashlib.blake2b(f"{key}:{worker_id}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big")

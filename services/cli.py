@@ -45,6 +45,8 @@ BENCHMARKS = {
     "engine": ("bench.engine", "our engine vs HF generate (and vLLM, llama.cpp)"),
     "serving": ("bench.serving", "drive a running gateway with Poisson arrivals"),
     "prefix": ("bench.prefix", "TTFT with a shared long prompt, prefix caching on vs off"),
+    "routing": ("bench.routing", "cache- and load-aware worker choice vs round robin, two workers"),
+    "semantic-cache": ("bench.semantic_cache", "semantic cache hit / wrong-hit rates on the shipped pairs"),
 }
 
 

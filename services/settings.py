@@ -59,6 +59,7 @@ class RouterSettings(BaseSettings):
     # worker costs as much as this many prompt tokens to recompute.
     min_prefix_tokens: int = 64
     load_cost_tokens: int = 256
+    worker_policy: Literal["cache_aware", "round_robin"] = "cache_aware"  # round_robin: the benchmark's baseline
 
 
 class CacheSettings(BaseSettings):
@@ -68,7 +69,7 @@ class CacheSettings(BaseSettings):
     default_mode: Literal["off", "exact", "semantic"] = "off"  # for keys that set none (semantic: exact too)
     exact_ttl_s: int = 3600
     semantic_ttl_s: int = 3600
-    semantic_threshold: float = 0.9  # cosine similarity of the conversations' embeddings
+    semantic_threshold: float = 0.82  # cosine similarity of the conversations' embeddings (bench semantic-cache)
     semantic_max_entries: int = 10_000  # per tenant and model; the oldest go first
 
 

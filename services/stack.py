@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from dataclasses import dataclass
 
 from services.redis_client import EmbeddedRedis
 from services.settings import GatewaySettings, RedisSettings, RouterSettings
@@ -32,7 +33,7 @@ def wait_ready(url: str, models: set[str], procs: list[subprocess.Popen], timeou
     return False
 
 
-def _stop(procs: list[subprocess.Popen], timeout_s: float = 40.0) -> None:
+def stop(procs: list[subprocess.Popen], timeout_s: float = 40.0) -> None:
     for proc in procs:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -44,40 +45,60 @@ def _stop(procs: list[subprocess.Popen], timeout_s: float = 40.0) -> None:
             proc.kill()
 
 
-def up(host: str, port: int, workers: list[tuple[str, str]], ready_timeout_s: float = 600.0) -> int:
-    """`workers`: (model, tier) pairs, one worker process each."""
+@dataclass
+class LocalStack:
+    url: str
+    api_key: str
+    redis_url: str
+    procs: list[subprocess.Popen]
+    embedded: EmbeddedRedis | None
+
+    def stop(self) -> None:
+        stop(self.procs)
+        if self.embedded is not None:
+            self.embedded.close()
+
+
+def start(host: str, port: int, workers: list[tuple[str, str]], env: dict[str, str] | None = None,
+          worker_env: dict[str, str] | None = None) -> LocalStack:
+    """Gateway, router and one worker process per (model, tier), on REDIS_URL or an embedded Redis.
+    `env` goes to every process, `worker_env` to the workers on top of it."""
     redis_url = RedisSettings().redis_url
     embedded = None if redis_url else EmbeddedRedis()
     redis_url = redis_url or embedded.url
     key = GatewaySettings().dev_key or "tf-dev-" + secrets.token_urlsafe(16)
-    env = {**os.environ, "REDIS_URL": redis_url, "TOKENFLEET_GATEWAY_DEV_KEY": key}
+    env = {**os.environ, **(env or {}), "REDIS_URL": redis_url, "TOKENFLEET_GATEWAY_DEV_KEY": key}
     cli = [sys.executable, "-m", "services.cli"]
     commands = [cli + ["gateway", "--host", host, "--port", str(port)], cli + ["router"]]
     commands += [cli + ["worker", "--model", model, "--tier", tier] for model, tier in workers]
     # CPU workers share the machine: split its cores between them instead of oversubscribing (each torch
     # thread pool spin-waits, and two pools on the same cores slow both and the gateway with them).
-    worker_env = {**env, "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1)
-                                                                                   // len(workers)))}
-    procs = [subprocess.Popen(command, env=worker_env if "worker" in command else env) for command in commands]
-    url = f"http://{host}:{port}"
+    threads = env.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // len(workers)))
+    workers_env = {**env, "OMP_NUM_THREADS": threads, **(worker_env or {})}
+    procs = [subprocess.Popen(command, env=workers_env if "worker" in command else env) for command in commands]
+    return LocalStack(f"http://{host}:{port}", key, redis_url, procs, embedded)
+
+
+def up(host: str, port: int, workers: list[tuple[str, str]], ready_timeout_s: float = 600.0) -> int:
+    """`workers`: (model, tier) pairs, one worker process each."""
+    stack = start(host, port, workers)
+    url, key = stack.url, stack.api_key
     try:
-        if not wait_ready(url, {model for model, _ in workers}, procs, ready_timeout_s):
+        if not wait_ready(url, {model for model, _ in workers}, stack.procs, ready_timeout_s):
             print("tokenfleet: the stack did not become ready; stopping", file=sys.stderr)
             return 1
-        print(f"\ntokenfleet is up: {url}/v1  (Redis {redis_url})\n  API key: {key}\n"
+        print(f"\ntokenfleet is up: {url}/v1  (Redis {stack.redis_url})\n  API key: {key}\n"
               f"  try: curl {url}/v1/chat/completions -H 'Authorization: Bearer {key}' "
               "-H 'Content-Type: application/json' -d '{\"model\": \"auto\", \"messages\": "
               "[{\"role\": \"user\", \"content\": \"Hello!\"}]}'\nCtrl-C stops everything.", flush=True)
-        while all(proc.poll() is None for proc in procs):
+        while all(proc.poll() is None for proc in stack.procs):
             time.sleep(0.5)
         print("tokenfleet: a service exited; stopping the others", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 0
     finally:
-        _stop(procs)
-        if embedded is not None:
-            embedded.close()
+        stack.stop()
 
 
 def default_workers() -> list[tuple[str, str]]:

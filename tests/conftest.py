@@ -29,6 +29,20 @@ ARCHITECTURES = {
 
 
 @pytest.fixture(scope="session")
+def redis_url():
+    """A real Redis: REDIS_URL when set (CI points it at the machine's Redis), else an embedded server."""
+    url = os.environ.get("REDIS_URL")
+    if url:
+        yield url
+        return
+    from services.redis_client import EmbeddedRedis
+
+    embedded = EmbeddedRedis()
+    yield embedded.url
+    embedded.close()
+
+
+@pytest.fixture(scope="session")
 def hf_tokenizer():
     from gpu_worker.engine.builtin_models import build_tokenizer
 

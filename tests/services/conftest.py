@@ -15,7 +15,6 @@ import pytest
 import redis as sync_redis
 
 from services import protocol as p
-from services.redis_client import EmbeddedRedis
 from services.stack import wait_ready
 
 MODEL = "tokenfleet-small"
@@ -85,17 +84,6 @@ class Stack:
         r = self.redis()
         return [p.WorkerStatus.model_validate_json(raw) for key in r.scan_iter(f"{p.PREFIX}:heartbeat:{model}:*")
                 if (raw := r.get(key))]
-
-
-@pytest.fixture(scope="session")
-def redis_url():
-    url = os.environ.get("REDIS_URL")
-    if url:
-        yield url
-        return
-    embedded = EmbeddedRedis()
-    yield embedded.url
-    embedded.close()
 
 
 @pytest.fixture(scope="session")
