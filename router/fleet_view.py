@@ -4,6 +4,7 @@ recent sends are most of the difference)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import defaultdict, deque
 
@@ -14,20 +15,26 @@ from services import protocol as p
 
 
 class FleetView:
-    def __init__(self, redis: aioredis.Redis, max_age_s: float = 0.1):
-        self.redis, self.max_age_s = redis, max_age_s
+    def __init__(self, redis: aioredis.Redis, refresh_s: float = 0.1):
+        self.redis, self.refresh_s = redis, refresh_s
         self._sent: dict[str, deque[float]] = defaultdict(deque)  # worker id -> times this router sent it work
-        # model -> (read at, [(worker id, status)]): heartbeats change twice a second, decisions come far more
-        # often; re-reading them for each would add a Redis round trip to every decision.
-        self._statuses: dict[str, tuple[float, list[p.WorkerStatus]]] = {}
+        # model -> its workers' last heartbeats, re-read in the background (`follow`): a decision reads memory,
+        # never waits on Redis (heartbeats change twice a second, decisions come far more often).
+        self._statuses: dict[str, list[p.WorkerStatus]] = {}
 
     async def workers(self, model: str) -> list[WorkerLoad]:
-        """Live, not draining, in a stable order."""
-        read_at, statuses = self._statuses.get(model, (0.0, []))
-        if time.monotonic() - read_at > self.max_age_s:
-            statuses = await self._read(model)
-            self._statuses[model] = (time.monotonic(), statuses)
-        return [WorkerLoad(s.worker_id, s.inflight + self._sent_since(s.worker_id, s.updated_at)) for s in statuses]
+        """Live, not draining, in a stable order. The first call for a model reads Redis; `follow` the rest."""
+        if model not in self._statuses:
+            self._statuses[model] = await self._read(model)
+        return [WorkerLoad(s.worker_id, s.inflight + self._sent_since(s.worker_id, s.updated_at))
+                for s in self._statuses[model]]
+
+    async def follow(self) -> None:
+        """Forever: re-reads the heartbeats of every model asked about so far."""
+        while True:
+            await asyncio.sleep(self.refresh_s)
+            for model in list(self._statuses):
+                self._statuses[model] = await self._read(model)
 
     async def _read(self, model: str) -> list[p.WorkerStatus]:
         ids = sorted(await self.redis.zrangebyscore(p.workers_key(model), time.time(), "+inf"))

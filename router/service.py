@@ -11,7 +11,7 @@ import time
 
 import redis.asyncio as aioredis
 
-from cache.prefix_directory import PrefixDirectory
+from cache.prefix_directory import PrefixIndex
 from cache.response_cache import ResponseCache
 from gpu_worker.engine.block_hash import block_hashes
 from router.cache_replay import answer_from_cache
@@ -35,10 +35,13 @@ class Router:
         self.encoder = PromptEncoder()
         self.fleet = FleetView(redis)
         self.sent_prefixes = SentPrefixes()
+        self._indexes: dict[str, PrefixIndex] = {}  # per model, each followed by a task in _followers
+        self._followers: set[asyncio.Task] = set()
 
     async def run(self, stop: asyncio.Event) -> None:
         await streams.ensure_group(self.redis, p.REQUESTS_STREAM, p.ROUTER_GROUP)
         janitor = asyncio.create_task(streams.restarting("router janitor", self._janitor_loop, log))
+        self._followers.add(asyncio.create_task(streams.restarting("fleet view", self.fleet.follow, log)))
         try:
             while not stop.is_set():
                 try:
@@ -51,6 +54,8 @@ class Router:
                     await asyncio.sleep(1.0)
         finally:
             janitor.cancel()
+            for task in self._followers:
+                task.cancel()
 
     async def _janitor_loop(self) -> None:
         claimer = streams.StaleClaimer(self.redis, p.REQUESTS_STREAM, p.ROUTER_GROUP, self.router_id, self.streams)
@@ -90,7 +95,7 @@ class Router:
             return p.work_stream(model), None
         block_size = info.kv_block_size if info else 16
         hashes = block_hashes(ids, block_size, request.cache_salt) if ids else []
-        blocks = await PrefixDirectory(self.redis, model).cached_blocks(hashes, [w.worker_id for w in workers])
+        blocks = (await self._prefix_index(model)).cached_blocks(hashes, [w.worker_id for w in workers])
         cached = {w: max(n, self.sent_prefixes.leading_blocks(w, hashes)) * block_size for w, n in blocks.items()}
         choice = self.chooser.choose(workers, cached, hashes[0] if hashes else 0)
         self.sent_prefixes.record(choice.worker_id, hashes)
@@ -99,6 +104,15 @@ class Router:
                                                                            choice.cached_tokens)
         self.fleet.sent(choice.worker_id)
         return p.inbox_stream(model, choice.worker_id), (p.inboxes_key(model), choice.worker_id)
+
+    async def _prefix_index(self, model: str) -> PrefixIndex:
+        """The model's prefix directory in memory: loaded on first use, then followed in the background."""
+        if (index := self._indexes.get(model)) is None:
+            index = self._indexes[model] = PrefixIndex(self.redis, model)
+            await index.load()
+            task = asyncio.create_task(streams.restarting(f"prefix index of {model}", index.follow, log))
+            self._followers.add(task)
+        return index
 
     async def _models(self) -> dict[str, p.ModelInfo]:
         registered = await self.redis.hgetall(p.MODELS_KEY)

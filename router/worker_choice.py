@@ -33,8 +33,8 @@ class WorkerChoice:
 
 @dataclass(frozen=True)
 class WorkerChooser:
-    min_prefix_tokens: int = 64
-    load_cost_tokens: int = 256
+    min_prefix_tokens: int
+    load_cost_tokens: int
 
     def choose(self, workers: list[WorkerLoad], cached_tokens: dict[str, int], affinity_key: int) -> WorkerChoice:
         """`workers`: non-empty; `cached_tokens`: per worker id (absent = 0); `affinity_key`: the prompt's

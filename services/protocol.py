@@ -65,6 +65,11 @@ def prefix_blocks_key(model: str, worker_id: str) -> str:
     return f"{PREFIX}:prefix-blocks:{model}:{worker_id}"
 
 
+def prefix_events_stream(model: str) -> str:
+    """A model's workers' prefix-cache changes (PrefixChange), which routers follow."""
+    return f"{PREFIX}:prefix-events:{model}"
+
+
 def cancel_key(request_id: str) -> str:
     return f"{PREFIX}:cancelled:{request_id}"
 
@@ -238,6 +243,15 @@ class DeadLetter(Message):
     deliveries: int
     reason: str
     request: GenerateRequest | None = None
+
+
+class PrefixChange(Message):
+    """A worker's prefix-cache changes since its last: runs of (added?, block hashes), in order. `replace`:
+    the runs are all it holds now (none: it holds nothing, e.g. after a restart)."""
+
+    worker_id: str
+    replace: bool = False
+    runs: list[tuple[bool, list[int]]] = Field(default_factory=list)
 
 
 class ModelInfo(BaseModel):

@@ -58,7 +58,7 @@ class RouterSettings(BaseSettings):
     # Worker choice: a cached prefix shorter than this counts for nothing; each request queued or running on a
     # worker costs as much as this many prompt tokens to recompute.
     min_prefix_tokens: int = 64
-    load_cost_tokens: int = 256
+    load_cost_tokens: int = 64
     worker_policy: Literal["cache_aware", "round_robin"] = "cache_aware"  # round_robin: the benchmark's baseline
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 
-from cache.prefix_directory import PrefixDirectory
+from cache.prefix_directory import PrefixDirectory, PrefixIndex
 from gpu_worker.engine.block_hash import block_hashes
 from gpu_worker.orphan_inboxes import OrphanInboxes
 from services import protocol as p
@@ -18,10 +18,12 @@ BS = 4
 
 
 def _directory_scenario(redis_url, body):
+    """`body(directory, index)`: a worker-side directory and a router-side index of one fresh model."""
     async def scenario():
         redis = connect(redis_url)
+        model = f"model-{uuid.uuid4().hex}"
         try:
-            return await body(redis, PrefixDirectory(redis, f"model-{uuid.uuid4().hex}"))
+            return await body(PrefixDirectory(redis, model), PrefixIndex(redis, model))
         finally:
             await redis.aclose()
 
@@ -29,14 +31,14 @@ def _directory_scenario(redis_url, body):
 
 
 def test_the_directory_tells_each_workers_longest_cached_prefix_of_a_prompt(redis_url):
-    prompt = list(range(20))
-    hashes = block_hashes(prompt, BS)
+    hashes = block_hashes(list(range(20)), BS)
 
-    async def body(redis, directory):
+    async def body(directory, index):
         await directory.apply("a", [(True, h) for h in hashes[:2]], None)
         await directory.apply("b", [(True, h) for h in hashes], None)
         await directory.apply("c", [(True, hashes[1])], None)  # a block without its first one: no prefix
-        return await directory.cached_blocks(hashes, ["a", "b", "c", "d"])
+        await index.load()
+        return index.cached_blocks(hashes, ["a", "b", "c", "d"])
 
     assert _directory_scenario(redis_url, body) == {"a": 2, "b": 5, "c": 0, "d": 0}
 
@@ -44,21 +46,44 @@ def test_the_directory_tells_each_workers_longest_cached_prefix_of_a_prompt(redi
 def test_an_evicted_block_ends_the_prefix_there_and_a_snapshot_replaces_everything(redis_url):
     hashes = block_hashes(list(range(16)), BS)
 
-    async def body(redis, directory):
+    async def body(directory, index):
         await directory.apply("a", [(True, h) for h in hashes] + [(False, hashes[2])], None)
-        after_evict = (await directory.cached_blocks(hashes, ["a"]))["a"]
+        await index.load()
+        after_evict = index.cached_blocks(hashes, ["a"])["a"]
         await directory.apply("a", [], [hashes[0]])
-        return after_evict, (await directory.cached_blocks(hashes, ["a"]))["a"]
+        await index.load()
+        return after_evict, index.cached_blocks(hashes, ["a"])["a"]
 
     assert _directory_scenario(redis_url, body) == (2, 1)
+
+
+def test_a_router_index_follows_changes_made_after_it_loaded(redis_url):
+    hashes = block_hashes(list(range(16)), BS)
+
+    async def body(directory, index):
+        await directory.apply("a", [(True, h) for h in hashes], None)
+        follower = asyncio.create_task(index.follow())
+        await asyncio.sleep(0.2)
+        await directory.apply("a", [(False, hashes[1])], None)
+        await directory.apply("b", [(True, h) for h in hashes[:3]], None)
+        await directory.forget("c")
+        await asyncio.sleep(0.3)
+        seen = index.cached_blocks(hashes, ["a", "b"])
+        await directory.forget("b")  # a worker that restarted or drained holds nothing
+        await asyncio.sleep(0.3)
+        follower.cancel()
+        return seen, index.cached_blocks(hashes, ["b"])
+
+    assert _directory_scenario(redis_url, body) == ({"a": 1, "b": 3}, {"b": 0})
 
 
 def test_a_salted_prompt_is_not_found_under_the_unsalted_blocks(redis_url):
     prompt = list(range(16))
 
-    async def body(redis, directory):
+    async def body(directory, index):
         await directory.apply("a", [(True, h) for h in block_hashes(prompt, BS)], None)
-        return await directory.cached_blocks(block_hashes(prompt, BS, "tenant-b"), ["a"])
+        await index.load()
+        return index.cached_blocks(block_hashes(prompt, BS, "tenant-b"), ["a"])
 
     assert _directory_scenario(redis_url, body) == {"a": 0}
 
