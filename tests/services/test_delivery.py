@@ -120,7 +120,7 @@ def test_api_keys_are_stored_only_as_hashes(redis_url):
 
     key, stored, found, wrong = asyncio.run(scenario())
     assert all(key not in k and key not in v for k, v in stored.items())
-    assert found[1] == "alice" and wrong is None
+    assert found.name == "alice" and wrong is None
 
 
 def test_work_a_draining_worker_cannot_finish_in_time_is_handed_back_and_completed_elsewhere(stack):
