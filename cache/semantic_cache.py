@@ -22,7 +22,7 @@ import base64
 import json
 import logging
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import quote
@@ -63,6 +63,7 @@ def seq_key(tenant: str, model: str) -> str:
     return f"{scope_prefix(tenant, model)}:seq"
 
 
+MAX_SCOPES = 64  # indexes held in memory per process (at most semantic_max_entries x 1.5 KB each)
 CANDIDATES = 4  # nearest entries examined per lookup: the guard may veto the closest ones
 LOG_PAGE = 1000  # log entries per XREAD when catching up
 REBUILD_PAGE = 1000  # entry keys per MGET when rebuilding
@@ -147,13 +148,15 @@ class SemanticCache:
 
     def __init__(self, redis: aioredis.Redis, settings: CacheSettings | None = None,
                  embedder: Embedder | None = None, guard: Callable[[str, str], str | None] = conflict,
-                 candidates: int = CANDIDATES):
+                 candidates: int = CANDIDATES, max_scopes: int = MAX_SCOPES):
         self.redis = redis  # a decode_responses=True client (services.redis_client.connect)
         self.settings = settings or CacheSettings()
         self._embedder = embedder
         self.guard = guard  # (query, cached text) -> why not, or None
         self.candidates = candidates
-        self._scopes: dict[tuple[str, str], ScopeIndex] = {}
+        self.max_scopes = max_scopes
+        # (tenant, model) -> its index, least recently used first: a dropped one is rebuilt from Redis when asked.
+        self._scopes: OrderedDict[tuple[str, str], ScopeIndex] = OrderedDict()
         self._store = redis.register_script(_STORE)
 
     @property
@@ -210,6 +213,9 @@ class SemanticCache:
         scope = self._scopes.get((tenant, model))
         if scope is None:
             scope = self._scopes[tenant, model] = ScopeIndex(self.settings.semantic_max_entries)
+            while len(self._scopes) > self.max_scopes:  # bounds this process's memory, whatever the tenants
+                self._scopes.popitem(last=False)
+        self._scopes.move_to_end((tenant, model))
         async with scope.lock:
             if scope.cursor is None:
                 await self._rebuild(tenant, model, scope)
