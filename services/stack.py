@@ -79,8 +79,14 @@ def start(host: str, port: int, workers: list[tuple[str, str]], env: dict[str, s
     return LocalStack(f"http://{host}:{port}", key, redis_url, procs, embedded)
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def up(host: str, port: int, workers: list[tuple[str, str]], ready_timeout_s: float = 600.0) -> int:
-    """`workers`: (model, tier) pairs, one worker process each."""
+    """`workers`: (model, tier) pairs, one worker process each. Ctrl-C or SIGTERM (a service manager, `kill`)
+    stops them all, each draining as on its own SIGTERM."""
+    signal.signal(signal.SIGTERM, _interrupt)
     stack = start(host, port, workers)
     url, key = stack.url, stack.api_key
     try:

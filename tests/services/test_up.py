@@ -1,4 +1,5 @@
-"""`tokenfleet up`: the README's main command brings the whole stack up and takes it down on Ctrl-C."""
+"""`tokenfleet up`: the README's main command brings the whole stack up and takes it down on Ctrl-C, or on
+SIGTERM from a service manager, leaving no process behind."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ def up_process(tmp_path):
         proc.kill()
 
 
-def test_up_serves_both_built_in_models_on_embedded_redis_and_stops_cleanly_on_ctrl_c(up_process):
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_up_serves_both_built_in_models_on_embedded_redis_and_stops_everything_cleanly(up_process, stop):
     proc, port = up_process
     key = None
     for line in proc.stdout:
@@ -42,6 +44,6 @@ def test_up_serves_both_built_in_models_on_embedded_redis_and_stops_cleanly_on_c
                                                max_tokens=4)
         assert reply.usage.completion_tokens == 4 and reply.model == model
 
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(stop)
     assert proc.wait(60) == 0
     assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
