@@ -31,6 +31,11 @@ def exact_key(tenant: str, model: str, request: p.GenerateRequest) -> str:
     return f"{p.PREFIX}:exact-cache:{tenant}:{digest}"
 
 
+def semantic_scope(model: str, request: p.GenerateRequest) -> str:
+    """What a semantic entry may answer besides its tenant: the model, chat or completion, the cache salt."""
+    return "|".join([model, request.kind, *([request.cache_salt] if request.cache_salt else [])])
+
+
 def deterministic(sampling: p.SamplingOptions) -> bool:
     return (sampling.temperature == 0 or sampling.seed is not None) and sampling.logprobs is None
 
@@ -62,11 +67,11 @@ class ResponseCache:
                 return CacheLookup("exact", p.CachedCompletion.model_validate_json(raw))
         if request.cache_mode == "semantic" and request.sampling.n == 1 and request.sampling.logprobs is None:
             text = conversation_text(request.messages, request.prompt)
-            vector = await self.semantic.vector(text)
-            hit = await self.semantic.lookup(tenant, model, text, vector)
+            vector, scope = await self.semantic.vector(text), semantic_scope(model, request)
+            hit = await self.semantic.lookup(tenant, scope, text, vector)
             if hit and _fits(hit.completion, request.sampling.max_tokens):
                 return CacheLookup("semantic", hit.completion, hit.similarity)
-            fill.semantic_text, fill.semantic_vector = text, encode_vector(vector)
+            fill.semantic_scope, fill.semantic_text, fill.semantic_vector = scope, text, encode_vector(vector)
         if fill.exact_key is None and fill.semantic_text is None:
             return CacheLookup("miss")  # asked, but nothing about this request can be cached
         return CacheLookup("miss", fill=fill)
@@ -75,7 +80,7 @@ class ResponseCache:
         if fill.exact_key:
             await self.redis.set(fill.exact_key, completion.model_dump_json(), ex=self.settings.exact_ttl_s)
         if fill.semantic_text is not None:
-            await self.semantic.store(fill.tenant, completion.model, fill.semantic_text,
+            await self.semantic.store(fill.tenant, fill.semantic_scope, fill.semantic_text,
                                       decode_vector(fill.semantic_vector), completion)
 
 

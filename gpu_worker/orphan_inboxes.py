@@ -1,5 +1,6 @@
 """Inboxes whose worker is gone (killed, or drained and stopped): any live worker of the model with room
-serves what is left in them, and deletes an inbox once it is empty.
+serves what is left in them, and deletes an inbox once it is empty. A draining worker's inbox is read too
+(what it will not read any more), but not claimed from nor deleted: it still finishes what it holds.
 
 The router sends each request to one chosen worker's inbox (its cache holds the prompt's prefix). A dead
 worker's inbox may hold entries it had taken and not finished (pending, claimed once idle past
@@ -28,9 +29,14 @@ class OrphanInboxes:
         for owner in await self.redis.smembers(p.inboxes_key(self.model)):
             if len(taken) >= count:
                 break
-            if owner == self.worker_id or await self.redis.exists(p.heartbeat_key(self.model, owner)):
+            if owner == self.worker_id:
                 continue
-            taken += await self._take_from(owner, count - len(taken))
+            heartbeat = await self.redis.get(p.heartbeat_key(self.model, owner))
+            if heartbeat is None:
+                taken += await self._take_from(owner, count - len(taken))
+            elif p.WorkerStatus.model_validate_json(heartbeat).draining:
+                taken += await streams.read_new(self.redis, p.inbox_stream(self.model, owner), p.WORKER_GROUP,
+                                                self.worker_id, count - len(taken), None)
         return taken
 
     async def _take_from(self, owner: str, count: int) -> list[streams.Delivery]:

@@ -17,6 +17,7 @@ import time
 from collections import defaultdict
 
 import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
 
 from cache.prefix_directory import PrefixDirectory
 from cache.response_cache import ResponseCache
@@ -47,6 +48,7 @@ class Worker:
         self.draining = False
         self._slot_freed = asyncio.Event()
         self._directory_stale = False
+        self._beats = 0
 
     # ---- lifecycle ------------------------------------------------------------------------------------
 
@@ -101,15 +103,23 @@ class Worker:
                 self._slot_freed.clear()
                 await self._slot_freed.wait()
                 continue
-            await self._start(await streams.read_new(self.redis, [self.inbox, self.shared], p.WORKER_GROUP,
-                                                     self.worker_id, free, streams.BLOCK_MS))
+            # One stream at a time: XREADGROUP's COUNT applies per stream, so a read of both could take twice
+            # the free slots. The shared stream is used only while no worker is live (start-up): not waited on.
+            got = await streams.read_new(self.redis, self.shared, p.WORKER_GROUP, self.worker_id, free, None)
+            await self._start(got or await streams.read_new(self.redis, self.inbox, p.WORKER_GROUP, self.worker_id,
+                                                            free, streams.BLOCK_MS))
 
     async def _janitor_loop(self) -> None:
-        claimer = streams.StaleClaimer(self.redis, self.shared, p.WORKER_GROUP, self.worker_id, self.streams)
+        # Stale entries of its own inbox too: one this worker read and lost (a dropped reply, a failed
+        # acknowledgement), or one it held before a restart under the same worker id (same host and pid).
+        claimers = [streams.StaleClaimer(self.redis, stream, p.WORKER_GROUP, self.worker_id, self.streams)
+                    for stream in (self.shared, self.inbox)]
         while True:
             await asyncio.sleep(self.streams.janitor_interval_s)
             if free := self._free_slots():
-                claimed = await claimer.claim(free)
+                claimed = []
+                for claimer in claimers:
+                    claimed += await claimer.claim(free - len(claimed)) if len(claimed) < free else []
                 claimed += await self.orphans.take(free - len(claimed)) if len(claimed) < free else []
                 await self._start(await streams.dead_letter_exhausted(self.redis, p.WORKER_GROUP, claimed,
                                                                       self.streams))
@@ -227,6 +237,7 @@ class Worker:
                 pipe.xadd(p.EVENTS_STREAM, event.encode(), maxlen=self.streams.stream_maxlen, approximate=True)
             pipe.xack(delivery.stream, p.WORKER_GROUP, delivery.entry_id)
             await pipe.execute()
+        self.inflight.pop(request_id, None)  # acknowledged: no longer ours to refresh (a cache fill may follow)
 
     # ---- liveness and cancellation --------------------------------------------------------------------
 
@@ -240,22 +251,31 @@ class Worker:
         status = p.WorkerStatus(worker_id=self.worker_id, model=self.info.name,
                                 running=int(stats["num_requests_running"]), waiting=int(stats["num_requests_waiting"]),
                                 inflight=len(self.inflight),
+                                backlog=await streams.unread(self.redis, self.inbox, p.WORKER_GROUP),
                                 kv_blocks_used=int(stats["kv_blocks_used"]),
                                 kv_blocks_total=int(stats["kv_blocks_total"]), draining=self.draining,
                                 metrics_port=self.metrics_port, updated_at=time.time())
         ttl, now = self.settings.heartbeat_ttl_s, time.time()
         async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.set(p.heartbeat_key(self.info.name, self.worker_id), status.model_dump_json(), px=int(ttl * 1000))
+            pipe.set(p.heartbeat_key(self.info.name, self.worker_id), status.model_dump_json(), px=int(ttl * 1000),
+                     get=True)
             pipe.zremrangebyscore(p.workers_key(self.info.name), "-inf", now)  # workers that died
             if not self.draining:
                 pipe.zadd(p.workers_key(self.info.name), {self.worker_id: now + ttl})
                 pipe.sadd(p.inboxes_key(self.info.name), self.worker_id)
-            await pipe.execute()
+            previous, *_ = await pipe.execute()
+        if previous is None and self._beats:  # it lapsed (a stall): others may have adopted the inbox and
+            self._directory_stale = True  # dropped this worker from the prefix directory
+            await self._ensure_groups()
+        self._beats += 1
         await self._publish_prefix_changes()
         lost = set()
         for stream, entry_ids in _by_stream(d for d, _ in self.inflight.values()).items():
-            lost.update((stream, e) for e in await streams.refresh(self.redis, stream, p.WORKER_GROUP,
-                                                                  self.worker_id, entry_ids))
+            try:
+                lost.update((stream, e) for e in await streams.refresh(self.redis, stream, p.WORKER_GROUP,
+                                                                      self.worker_id, entry_ids))
+            except ResponseError:  # NOGROUP: the inbox was adopted and deleted; its entries went with it
+                lost.update((stream, e) for e in entry_ids)
         for request_id, (delivery, task) in list(self.inflight.items()):
             if (delivery.stream, delivery.entry_id) in lost:  # taken over while this worker stalled
                 log.warning("request %s was taken over by another worker; dropping it here", request_id)
@@ -266,6 +286,7 @@ class Worker:
         self._directory_stale = True  # until the write succeeds: a lost batch of events is resent in full
         await self.directory.apply(self.worker_id, *changes)
         self._directory_stale = False
+        self._beats = 0
 
     async def _cancel_loop(self) -> None:
         async with self.redis.pubsub(ignore_subscribe_messages=True) as pubsub:

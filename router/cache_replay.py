@@ -1,6 +1,7 @@
 """A response-cache hit, answered on the request's reply stream as a worker would answer it (started, one
 delta per choice, finished), so the gateway serves it through its normal path, streaming or not; with the
-completion event that lets the ledger price it, and the request's acknowledgement, in one transaction."""
+completion event that lets the ledger price it, in one step with the request's acknowledgement and only if
+that acknowledgement counts (another router that took the entry over answers nothing twice)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ CACHE_WORKER = "response-cache"  # the worker_id of answers that no worker compu
 
 
 async def answer_from_cache(redis: aioredis.Redis, entry_id: str, request: p.GenerateRequest, hit: CacheLookup,
-                            settings: StreamSettings) -> None:
+                            settings: StreamSettings) -> bool:
     completion, rid = hit.completion, request.request_id
     model = request.routing.model
     usage = completion.usage.model_copy(update={"cached_tokens": completion.usage.prompt_tokens})
@@ -33,9 +34,6 @@ async def answer_from_cache(redis: aioredis.Redis, entry_id: str, request: p.Gen
     event = p.CompletionEvent(request_id=rid, model=model, worker_id=CACHE_WORKER, api_key_name=request.api_key_name,
                               user=request.user, finish_reasons=[c.finish_reason for c in completion.choices],
                               usage=usage, timing=timing, routing=request.routing, traceparent=request.traceparent)
-    async with redis.pipeline(transaction=True) as pipe:
-        for chunk in chunks:
-            streams.add_reply(pipe, rid, chunk, settings)
-        pipe.xadd(p.EVENTS_STREAM, event.encode(), maxlen=settings.stream_maxlen, approximate=True)
-        pipe.xack(p.REQUESTS_STREAM, p.ROUTER_GROUP, entry_id)
-        await pipe.execute()
+    additions = [streams.Addition(p.reply_stream(rid), chunk, ttl_s=settings.reply_ttl_s) for chunk in chunks]
+    additions.append(streams.Addition(p.EVENTS_STREAM, event, maxlen=settings.stream_maxlen))
+    return await streams.ack_then_add(redis, p.REQUESTS_STREAM, p.ROUTER_GROUP, entry_id, additions)

@@ -26,7 +26,7 @@ class FleetView:
         """Live, not draining, in a stable order. The first call for a model reads Redis; `follow` the rest."""
         if model not in self._statuses:
             self._statuses[model] = await self._read(model)
-        return [WorkerLoad(s.worker_id, s.inflight + self._sent_since(s.worker_id, s.updated_at))
+        return [WorkerLoad(s.worker_id, s.inflight + s.backlog + self._sent_since(s.worker_id, s.updated_at))
                 for s in self._statuses[model]]
 
     async def follow(self) -> None:
@@ -35,6 +35,9 @@ class FleetView:
             await asyncio.sleep(self.refresh_s)
             for model in list(self._statuses):
                 self._statuses[model] = await self._read(model)
+            live = {s.worker_id for statuses in self._statuses.values() for s in statuses}
+            for gone in self._sent.keys() - live:  # a restarted worker comes back under a new id
+                del self._sent[gone]
 
     async def _read(self, model: str) -> list[p.WorkerStatus]:
         ids = sorted(await self.redis.zrangebyscore(p.workers_key(model), time.time(), "+inf"))

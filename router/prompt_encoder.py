@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 import logging
 
-from gpu_worker.engine.errors import InvalidRequestError, ModelLoadError
+from gpu_worker.engine.errors import ModelLoadError
 from gpu_worker.engine.tokenizer import Tokenizer
 from services import protocol as p
 
@@ -37,5 +37,6 @@ class PromptEncoder:
             if request.kind == "chat":
                 return tokenizer.apply_chat_template(request.messages or [])
             return tokenizer.encode(request.prompt or "")
-        except (InvalidRequestError, ValueError, TypeError):
+        except Exception:  # e.g. a template that rejects the roles (jinja2's TemplateError): the worker answers
+            log.debug("cannot encode request %s here", request.request_id, exc_info=True)
             return None

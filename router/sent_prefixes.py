@@ -30,6 +30,11 @@ class SentPrefixes:
         while len(sent) > self.max_blocks:
             sent.popitem(last=False)
 
+    def keep_only(self, worker_ids: list[str]) -> None:
+        """Forgets workers no longer live (their ids do not come back: a restart gets a new pid)."""
+        for gone in self._sent.keys() - set(worker_ids):
+            del self._sent[gone]
+
     def leading_blocks(self, worker_id: str, block_hashes: list[int]) -> int:
         sent, now, count = self._sent.get(worker_id), time.monotonic(), 0
         if not sent:

@@ -12,7 +12,7 @@ import time
 import redis.asyncio as aioredis
 
 from cache.prefix_directory import PrefixIndex
-from cache.response_cache import ResponseCache
+from cache.response_cache import NOT_ASKED, CacheLookup, ResponseCache
 from gpu_worker.engine.block_hash import block_hashes
 from router.cache_replay import answer_from_cache
 from router.fleet_view import FleetView
@@ -48,7 +48,7 @@ class Router:
                     got = await streams.read_new(self.redis, p.REQUESTS_STREAM, p.ROUTER_GROUP, self.router_id, 256,
                                                  500)
                     for delivery in got:
-                        await self.forward(delivery)
+                        await self._forward_one(delivery)
                 except aioredis.RedisError:  # Redis restarting: what was read and not forwarded stays pending
                     log.exception("reading the request stream failed; retrying")
                     await asyncio.sleep(1.0)
@@ -61,8 +61,19 @@ class Router:
         claimer = streams.StaleClaimer(self.redis, p.REQUESTS_STREAM, p.ROUTER_GROUP, self.router_id, self.streams)
         while True:
             await asyncio.sleep(self.streams.janitor_interval_s)
-            for delivery in await claimer.claim(256):
-                await self.forward(delivery)
+            claimed = await claimer.claim(256)
+            for delivery in await streams.dead_letter_exhausted(self.redis, p.ROUTER_GROUP, claimed, self.streams):
+                await self._forward_one(delivery)
+
+    async def _forward_one(self, delivery: streams.Delivery) -> None:
+        """One request's failure is its own: it stays pending, is retried by a janitor after `claim_idle_ms`,
+        and dead-lettered (its client told) after `max_deliveries`; the requests behind it go on."""
+        try:
+            await self.forward(delivery)
+        except aioredis.RedisError:
+            raise
+        except Exception:
+            log.exception("routing request entry %s failed; it will be retried", delivery.entry_id)
 
     async def forward(self, delivery: streams.Delivery) -> None:
         try:
@@ -74,7 +85,7 @@ class Router:
         models = await self._models()
         model, reason = await self.tiers.choose(request, models, self.encoder, await self._alive(request))
         request.routing = p.RoutingDecision(model=model, reason=reason, decided_at=time.time())
-        cached = await self.caches.lookup(request, model)
+        cached = await self._cache_lookup(request, model)
         request.routing.cache, request.cache_fill = cached.result, cached.fill
         if cached.completion is not None:
             await answer_from_cache(self.redis, delivery.entry_id, request, cached, self.streams)
@@ -98,6 +109,7 @@ class Router:
         blocks = (await self._prefix_index(model)).cached_blocks(hashes, [w.worker_id for w in workers])
         cached = {w: max(n, self.sent_prefixes.leading_blocks(w, hashes)) * block_size for w, n in blocks.items()}
         choice = self.chooser.choose(workers, cached, hashes[0] if hashes else 0)
+        self.sent_prefixes.keep_only([w.worker_id for w in workers])
         self.sent_prefixes.record(choice.worker_id, hashes)
         decision.decision_ms = (time.perf_counter() - started) * 1000
         decision.worker, decision.worker_reason, decision.prefix_tokens = (choice.worker_id, choice.reason,
@@ -105,11 +117,21 @@ class Router:
         self.fleet.sent(choice.worker_id)
         return p.inbox_stream(model, choice.worker_id), (p.inboxes_key(model), choice.worker_id)
 
+    async def _cache_lookup(self, request: p.GenerateRequest, model: str) -> CacheLookup:
+        try:
+            return await self.caches.lookup(request, model)
+        except aioredis.RedisError:
+            raise
+        except Exception:  # a cache is an optimization: a broken entry or embedder must not fail the request
+            log.exception("response-cache lookup for %s failed; serving without the cache", request.request_id)
+            return NOT_ASKED
+
     async def _prefix_index(self, model: str) -> PrefixIndex:
         """The model's prefix directory in memory: loaded on first use, then followed in the background."""
         if (index := self._indexes.get(model)) is None:
-            index = self._indexes[model] = PrefixIndex(self.redis, model)
-            await index.load()
+            index = PrefixIndex(self.redis, model)
+            await index.load()  # kept only once loaded: a failed load is tried again by the next request
+            self._indexes[model] = index
             task = asyncio.create_task(streams.restarting(f"prefix index of {model}", index.follow, log))
             self._followers.add(task)
         return index

@@ -138,6 +138,7 @@ class CacheFill(BaseModel):
 
     tenant: str
     exact_key: str | None = None  # a deterministic request: its Redis key in the exact cache
+    semantic_scope: str | None = None  # the model, kind and cache salt it may answer for (with the tenant)
     semantic_text: str | None = None  # the conversation as embedded
     semantic_vector: str | None = None  # its embedding (base64 float32): computed once, by the router
 
@@ -268,6 +269,7 @@ class WorkerStatus(BaseModel):
     running: int
     waiting: int
     inflight: int = 0  # requests taken from the streams and not finished (running, waiting, or starting)
+    backlog: int = 0  # requests in its inbox it has not read yet
     kv_blocks_used: int
     kv_blocks_total: int
     draining: bool = False

@@ -43,6 +43,16 @@ async def read_new(redis: aioredis.Redis, stream: str | list[str], group: str, c
     return [Delivery(name, entry_id, fields, 1) for name, entries in reply or [] for entry_id, fields in entries]
 
 
+async def unread(redis: aioredis.Redis, stream: str, group: str, limit: int = 1000) -> int:
+    """Entries of `stream` not yet delivered to `group` (up to `limit`): a worker's inbox backlog, which
+    its in-flight count does not show. (Redis 7's XINFO GROUPS `lag` says it in one call; 6.2 has no lag.)"""
+    groups = [g for g in await redis.xinfo_groups(stream) if g["name"] == group] if await redis.exists(stream) else []
+    if not groups:
+        return 0
+    last = groups[0]["last-delivered-id"]
+    return len(await redis.xrange(stream, min=f"({last}", count=limit))
+
+
 class StaleClaimer:
     """Takes entries pending longer than `claim_idle_ms` without their owner refreshing them (see `refresh`):
     the owner died. Walks the pending list with XAUTOCLAIM's cursor, so a few entries near its start cannot
@@ -92,26 +102,53 @@ async def refresh(redis: aioredis.Redis, stream: str, group: str, consumer: str,
     return await redis.eval(_REFRESH, 1, stream, group, consumer, *entry_ids)
 
 
-# Move an entry from one stream to another only if this consumer's acknowledgement is the one that counts:
-# a router that stalled past `claim_idle_ms` must not forward what another router already forwarded.
-# With a third key, `target` is an inbox and is registered in that set, so its adopters can find it.
-_FORWARD = """
-if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 1 then
-  if #KEYS == 3 then redis.call('SADD', KEYS[3], ARGV[6]) end
-  return redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', ARGV[4], ARGV[5])
+# Add messages to streams only if this consumer's acknowledgement of `entry_id` is the one that counts: a
+# router that stalled past `claim_idle_ms` must not forward (or answer from the cache) what another router
+# already did. KEYS: the source, N targets, then optionally a registry set (an inbox's: its adopters find it
+# there). ARGV: group, entry id, N, field, registry member, then per target: maxlen (0: none), ttl (0: none),
+# the message.
+_ACK_THEN_ADD = """
+if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return false end
+local n = tonumber(ARGV[3])
+if #KEYS == n + 2 then redis.call('SADD', KEYS[n + 2], ARGV[5]) end
+for i = 1, n do
+  local base = 5 + 3 * (i - 1)
+  local maxlen, ttl = tonumber(ARGV[base + 1]), tonumber(ARGV[base + 2])
+  if maxlen > 0 then
+    redis.call('XADD', KEYS[1 + i], 'MAXLEN', '~', maxlen, '*', ARGV[4], ARGV[base + 3])
+  else
+    redis.call('XADD', KEYS[1 + i], '*', ARGV[4], ARGV[base + 3])
+  end
+  if ttl > 0 then redis.call('EXPIRE', KEYS[1 + i], ttl) end
 end
-return false
+return 1
 """
+
+
+@dataclass(frozen=True)
+class Addition:
+    stream: str
+    message: p.Message
+    maxlen: int = 0  # approximate trim; 0: none
+    ttl_s: int = 0  # expire the stream after this write; 0: never
+
+
+async def ack_then_add(redis: aioredis.Redis, source: str, group: str, entry_id: str, additions: list[Addition],
+                       registry: tuple[str, str] | None = None) -> bool:
+    """Acknowledge `entry_id` and make the additions, atomically, once; False if already acknowledged.
+    `registry`: (set, member) to add to in the same step."""
+    keys = [source, *(a.stream for a in additions), *([registry[0]] if registry else [])]
+    args = [group, entry_id, len(additions), p.FIELD, registry[1] if registry else ""]
+    for addition in additions:
+        args += [addition.maxlen, addition.ttl_s, addition.message.encode()[p.FIELD]]
+    return await redis.eval(_ACK_THEN_ADD, len(keys), *keys, *args) is not None
 
 
 async def forward(redis: aioredis.Redis, source: str, group: str, entry_id: str, target: str, message: p.Message,
                   settings: StreamSettings, registry: tuple[str, str] | None = None) -> bool:
-    """Acknowledge `entry_id` and add `message` to `target`, atomically, once; False if already acknowledged.
-    `registry`: (set, member) to add to in the same step (an inbox and its worker id)."""
-    keys = [source, target] + ([registry[0]] if registry else [])
-    args = [group, entry_id, settings.stream_maxlen, p.FIELD, message.encode()[p.FIELD]]
-    added = await redis.eval(_FORWARD, len(keys), *keys, *args, *([registry[1]] if registry else []))
-    return added is not None
+    """Move an entry to `target` once (see `ack_then_add`)."""
+    return await ack_then_add(redis, source, group, entry_id, [Addition(target, message, settings.stream_maxlen)],
+                              registry)
 
 
 # Delete an adopted inbox once nothing in it is pending or unread, atomically: a router's XADD lands either

@@ -91,8 +91,26 @@ def test_a_semantic_answer_cut_off_by_max_tokens_serves_only_the_same_max_tokens
         await cache.store(first.fill, _completion(finish_reason="length", tokens=4))
         same = await cache.lookup(_request(tenant, mode="semantic", temperature=0.7), "m")
         more_room = await cache.lookup(_request(tenant, mode="semantic", temperature=0.7, max_tokens=64), "m")
-        await cache.semantic.clear(tenant, "m")
+        await cache.semantic.clear(tenant, "m|chat")
         return same.result, more_room.result
 
     assert _run(redis_url, body, embedder) == ("semantic", "miss")
 
+
+
+def test_a_semantic_entry_answers_only_requests_with_the_same_cache_salt(redis_url, embedder):
+    tenant = f"t-{uuid.uuid4().hex}"
+
+    def salted(salt: str | None) -> p.GenerateRequest:
+        request = _request(tenant, mode="semantic", temperature=0.7)
+        request.cache_salt = salt
+        return request
+
+    async def body(cache):
+        await cache.store((await cache.lookup(salted("a"), "m")).fill, _completion())
+        results = [(await cache.lookup(salted(salt), "m")).result for salt in ("a", "b", None)]
+        for scope in ("m|chat|a", "m|chat|b", "m|chat"):
+            await cache.semantic.clear(tenant, scope)
+        return results
+
+    assert _run(redis_url, body, embedder) == ["semantic", "miss", "miss"]

@@ -118,19 +118,31 @@ def test_a_dead_workers_inbox_is_served_by_a_live_worker_and_then_deleted(redis_
     assert again == [] and not exists and registered == set()
 
 
-def test_a_live_workers_inbox_is_left_alone(redis_url):
+def _other_worker_inbox(redis_url, draining: bool) -> tuple[int, int]:
+    """(entries a live worker takes, entries left) from the inbox of another worker that is alive."""
     model = f"model-{uuid.uuid4().hex}"
+    status = p.WorkerStatus(worker_id="busy", model=model, running=1, waiting=0, kv_blocks_used=0,
+                            kv_blocks_total=1, draining=draining, updated_at=0)
 
     async def scenario():
         redis = connect(redis_url)
         inbox = p.inbox_stream(model, "busy")
+        await streams.ensure_group(redis, inbox, p.WORKER_GROUP)
         await redis.sadd(p.inboxes_key(model), "busy")
-        await redis.set(p.heartbeat_key(model, "busy"), "{}", px=5000)
+        await redis.set(p.heartbeat_key(model, "busy"), status.model_dump_json(), px=5000)
         await redis.xadd(inbox, {p.FIELD: "{}"})
         taken = await OrphanInboxes(redis, model, "live", StreamSettings(), PrefixDirectory(redis, model)).take(10)
-        length = await redis.xlen(inbox)
+        unread = await streams.unread(redis, inbox, p.WORKER_GROUP)
         await redis.delete(inbox, p.heartbeat_key(model, "busy"), p.inboxes_key(model))
         await redis.aclose()
-        return taken, length
+        return len(taken), unread
 
-    assert asyncio.run(scenario()) == ([], 1)
+    return asyncio.run(scenario())
+
+
+def test_a_live_workers_inbox_is_left_alone(redis_url):
+    assert _other_worker_inbox(redis_url, draining=False) == (0, 1)
+
+
+def test_a_draining_workers_unread_inbox_is_taken_at_once(redis_url):
+    assert _other_worker_inbox(redis_url, draining=True) == (1, 0)

@@ -1,0 +1,91 @@
+"""The router's delivery rules, each on its own fresh Redis (the stack's router would take these entries):
+a request it cannot route fails alone, is retried, then dead-lettered with its client told; a cache hit is
+answered once even when two routers hold the request."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+
+from cache.response_cache import CacheLookup, ResponseCache
+from router.cache_replay import answer_from_cache
+from router.policy import TierPolicy, TierRule
+from router.service import Router
+from router.worker_choice import WorkerChooser
+from services import protocol as p
+from services import streams
+from services.redis_client import EmbeddedRedis, connect
+from services.settings import CacheSettings, StreamSettings
+
+
+@pytest.fixture
+def fresh_redis_url():
+    embedded = EmbeddedRedis()
+    yield embedded.url
+    embedded.close()
+
+
+def _request(prompt: str) -> p.GenerateRequest:
+    return p.GenerateRequest(request_id=uuid.uuid4().hex, kind="completion", model="m", prompt=prompt,
+                             sampling=p.SamplingOptions(max_tokens=2, temperature=0.0))
+
+
+class _FailsOnBoom(TierPolicy):
+    async def choose(self, request, models, encoder, alive):
+        if request.prompt == "boom":
+            raise RuntimeError("a bug in one request's routing")
+        return await super().choose(request, models, encoder, alive)
+
+
+def test_a_request_the_router_cannot_route_is_dead_lettered_and_the_others_go_on(fresh_redis_url):
+    settings = StreamSettings(claim_idle_ms=0, max_deliveries=2, janitor_interval_s=0.05)
+    requests = [_request("first"), _request("boom"), _request("second")]
+
+    async def scenario():
+        redis = connect(fresh_redis_url)
+        router = Router(redis, _FailsOnBoom(TierRule("s", "l", 10, 10)), WorkerChooser(64, 64),
+                        ResponseCache(redis, CacheSettings()), "router-a", settings)
+        for request in requests:
+            await redis.xadd(p.REQUESTS_STREAM, request.encode())
+        stop = asyncio.Event()
+        running = asyncio.create_task(router.run(stop))
+        await asyncio.sleep(1.5)
+        stop.set()
+        await running
+        forwarded = [p.decode(p.GenerateRequest, f).request_id for _, f in await redis.xrange(p.work_stream("m"))]
+        letters = [p.decode(p.DeadLetter, f).request_id for _, f in await redis.xrange(p.DEAD_LETTER_STREAM)]
+        replies = [p.decode(p.ReplyChunk, f) for _, f in await redis.xrange(p.reply_stream(requests[1].request_id))]
+        pending = (await redis.xpending(p.REQUESTS_STREAM, p.ROUTER_GROUP))["pending"]
+        await redis.aclose()
+        return forwarded, letters, replies, pending
+
+    forwarded, letters, replies, pending = asyncio.run(scenario())
+    assert forwarded == [requests[0].request_id, requests[2].request_id]
+    assert letters == [requests[1].request_id] and pending == 0
+    assert [c.kind for c in replies] == ["error"] and replies[0].error.code == "dead_letter"
+
+
+def test_a_cache_hit_is_answered_once_even_if_two_routers_hold_the_request(fresh_redis_url):
+    request = _request("cached")
+    request.routing = p.RoutingDecision(model="m", reason="named by the request", decided_at=0.0, cache="exact")
+    completion = p.CachedCompletion(model="m", usage=p.Usage(prompt_tokens=3, completion_tokens=2),
+                                    choices=[p.CachedChoice(text="hi!", token_ids=[1, 2], finish_reason="length")])
+
+    async def scenario():
+        redis = connect(fresh_redis_url)
+        await streams.ensure_group(redis, p.REQUESTS_STREAM, p.ROUTER_GROUP)
+        entry_id = await redis.xadd(p.REQUESTS_STREAM, request.encode())
+        await streams.read_new(redis, p.REQUESTS_STREAM, p.ROUTER_GROUP, "router-a", 1, None)
+        answered = [await answer_from_cache(redis, entry_id, request, CacheLookup("exact", completion),
+                                            StreamSettings()) for _ in ("router-a", "router-b")]
+        replies = [p.decode(p.ReplyChunk, f) for _, f in await redis.xrange(p.reply_stream(request.request_id))]
+        events = await redis.xlen(p.EVENTS_STREAM)
+        await redis.aclose()
+        return answered, replies, events
+
+    answered, replies, events = asyncio.run(scenario())
+    assert answered == [True, False] and events == 1
+    assert [c.kind for c in replies] == ["started", "delta", "finished"] and replies[1].text == "hi!"
+    assert replies[0].cache == replies[2].cache == "exact"
