@@ -44,6 +44,8 @@ class Worker:
         self.directory = PrefixDirectory(redis, info.name)
         self.orphans = OrphanInboxes(redis, info.name, worker_id, stream_settings, self.directory)
         self.metrics_port = metrics_port
+        self.worker_fields = {"tier": info.tier, "worker_class": settings.worker_class or
+                              ("cpu" if settings.device == "cpu" else "gpu")}
         self.inflight: dict[str, tuple[streams.Delivery, asyncio.Task]] = {}  # request id -> (its entry, its task)
         self.draining = False
         self._slot_freed = asyncio.Event()
@@ -142,7 +144,7 @@ class Worker:
         rid = request.request_id
         try:
             if await self.redis.exists(p.cancel_key(rid)):
-                await self.redis.xack(delivery.stream, p.WORKER_GROUP, delivery.entry_id)
+                await self._abandon(delivery, request, "cancelled")
                 return
             history = ReplyHistory.of(await streams.reply_history(self.redis, rid)) if delivery.claimed \
                 else ReplyHistory()
@@ -155,7 +157,8 @@ class Worker:
         except Exception as exc:  # one request's failure is its own: reported, acknowledged, never retried
             log.exception("request %s failed", rid)
             error = p.ErrorBody(message=f"worker error: {exc}", type="server_error", status=500)
-            await self._close(delivery, rid, [p.ReplyChunk(kind="error", error=error, worker_id=self.worker_id)])
+            await self._close(delivery, rid, [p.ReplyChunk(kind="error", error=error, worker_id=self.worker_id)],
+                              self._abandoned(request, "error"))
         finally:
             self.inflight.pop(rid, None)
             self._slot_freed.set()
@@ -167,7 +170,8 @@ class Worker:
             params = sampling_params(engine, request, len(ids))
         except InvalidRequestError as err:
             error = p.ErrorBody(message=str(err), param=err.param, code="invalid_request", status=400)
-            await self._close(delivery, rid, [p.ReplyChunk(kind="error", error=error, worker_id=self.worker_id)])
+            await self._close(delivery, rid, [p.ReplyChunk(kind="error", error=error, worker_id=self.worker_id)],
+                              self._abandoned(request, "error"))
             return
         if history.started is None:
             started = p.ReplyChunk(kind="started", worker_id=self.worker_id, model=self.info.name,
@@ -187,10 +191,12 @@ class Worker:
         finished = p.ReplyChunk(kind="finished", worker_id=self.worker_id, model=self.info.name, usage=usage,
                                 timing=timing, cache=_cache_result(request))
         event = p.CompletionEvent(request_id=rid, model=self.info.name, worker_id=self.worker_id,
-                                  api_key_name=request.api_key_name, user=request.user,
+                                  api_key_name=request.api_key_name, api_key_id=request.api_key_id,
+                                  user=request.user,
                                   finish_reasons=[finish_reasons.get(i) for i in range(params.n)], usage=usage,
                                   timing=timing, routing=request.routing, deliveries=delivery.deliveries,
-                                  traceparent=request.traceparent)
+                                  sla_class=request.sla_class, enqueued_at=request.enqueued_at,
+                                  traceparent=request.traceparent, **self.worker_fields)
         await self._close(delivery, rid, [finished], event)
         if request.cache_fill is not None:
             await self._fill_cache(request, usage)
@@ -295,9 +301,27 @@ class Worker:
                 # Polled with a timeout: a blocking listen would hit the client's socket timeout when idle.
                 message = await pubsub.get_message(timeout=streams.BLOCK_MS / 1000)
                 if message and (entry := self.inflight.get(message["data"])):
-                    entry[1].cancel()  # generate()'s exit aborts the request and frees its blocks
-                    with contextlib.suppress(Exception):
-                        await self.redis.xack(entry[0].stream, p.WORKER_GROUP, entry[0].entry_id)
+                    delivery, task = entry
+                    task.cancel()  # generate()'s exit aborts the request and frees its blocks
+                    if request := _parse(delivery):
+                        with contextlib.suppress(Exception):
+                            await self._abandon(delivery, request, "cancelled")
+
+    def _abandoned(self, request: p.GenerateRequest, status: p.TaskStatus,
+                   usage: p.Usage | None = None) -> p.CompletionEvent:
+        return p.CompletionEvent.abandoned(request, status, self.worker_id, usage, **self.worker_fields)
+
+    async def _abandon(self, delivery: streams.Delivery, request: p.GenerateRequest, status: p.TaskStatus) -> None:
+        """Acknowledge a request that will not finish, with its completion event: what its reply stream shows
+        it got (a cancelled stream's tokens were computed and sent; the ledger counts them)."""
+        history = ReplyHistory.of(await streams.reply_history(self.redis, request.request_id))
+        usage = p.Usage(prompt_tokens=history.started.prompt_tokens or 0 if history.started else 0,
+                        completion_tokens=history.completion_tokens())
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.xadd(p.EVENTS_STREAM, self._abandoned(request, status, usage).encode(),
+                      maxlen=self.streams.stream_maxlen, approximate=True)
+            pipe.xack(delivery.stream, p.WORKER_GROUP, delivery.entry_id)
+            await pipe.execute()
 
 
 class _Clock:

@@ -32,8 +32,10 @@ async def answer_from_cache(redis: aioredis.Redis, entry_id: str, request: p.Gen
     chunks.append(p.ReplyChunk(kind="finished", worker_id=CACHE_WORKER, model=model, usage=usage, timing=timing,
                                cache=hit.result))
     event = p.CompletionEvent(request_id=rid, model=model, worker_id=CACHE_WORKER, api_key_name=request.api_key_name,
+                              api_key_id=request.api_key_id,
                               user=request.user, finish_reasons=[c.finish_reason for c in completion.choices],
-                              usage=usage, timing=timing, routing=request.routing, traceparent=request.traceparent)
+                              usage=usage, timing=timing, routing=request.routing, sla_class=request.sla_class,
+                              enqueued_at=request.enqueued_at, traceparent=request.traceparent)
     additions = [streams.Addition(p.reply_stream(rid), chunk, ttl_s=settings.reply_ttl_s) for chunk in chunks]
     additions.append(streams.Addition(p.EVENTS_STREAM, event, maxlen=settings.stream_maxlen))
     return await streams.ack_then_add(redis, p.REQUESTS_STREAM, p.ROUTER_GROUP, entry_id, additions)

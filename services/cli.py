@@ -87,6 +87,13 @@ def _router(args: argparse.Namespace) -> int:
     return _run_service(serve, RouterSettings())
 
 
+def _accounting(args: argparse.Namespace) -> int:
+    from services.accounting.main import serve
+    from services.settings import AccountingSettings
+
+    return _run_service(serve, AccountingSettings())
+
+
 def _worker(args: argparse.Namespace) -> int:
     from gpu_worker.main import serve
     from services.settings import WorkerSettings
@@ -138,6 +145,9 @@ def _add_service_commands(sub) -> None:
     train = router_sub.add_parser("train", help="fit the model=auto tier classifier on labeled prompts (JSONL)")
     add_train_arguments(train)
     train.set_defaults(func=_from_module("router.train", "main"))
+
+    sub.add_parser("accounting", help="the ledger: completion events -> cost and SLA rows (DATABASE_URL or SQLite)"
+                   ).set_defaults(func=_accounting)
 
     worker = sub.add_parser("worker", help="a GPU worker serving one model")
     worker.add_argument("--model", default=None, help="built-in name or HF model directory")

@@ -151,9 +151,11 @@ class GenerateRequest(Message):
     prompt: str | list[int] | None = None  # completion
     sampling: SamplingOptions
     api_key_name: str | None = None
+    api_key_id: str | None = None  # the key's hash: budgets are kept per key
     user: str | None = None
     cache_salt: str | None = None  # prefix-cache hits only among requests with the same salt
     cache_mode: CacheMode = "off"  # the response caches: as the request or else its API key asks
+    sla_class: str | None = None  # as the request or else its API key asks; None: the deployment's default
     cache_fill: CacheFill | None = None
     created: int = Field(default_factory=lambda: int(time.time()))
     enqueued_at: float = Field(default_factory=time.time)
@@ -222,19 +224,42 @@ class ErrorBody(BaseModel):
 ReplyChunk.model_rebuild()
 
 
+TaskStatus = Literal["ok", "error", "cancelled", "dead-lettered"]
+
+
 class CompletionEvent(Message):
-    """For the accounting service: one per finished request, whatever the outcome."""
+    """For the accounting service: one per request that ended, whatever the outcome (`status`)."""
 
     request_id: str
     model: str
     worker_id: str
     api_key_name: str | None = None
+    api_key_id: str | None = None
     user: str | None = None
     finish_reasons: list[str | None]
     usage: Usage
     timing: Timing
     routing: RoutingDecision | None = None
     deliveries: int = 1
+    status: TaskStatus = "ok"
+    tier: str | None = None
+    worker_class: str | None = None  # prices the measured cost (engine seconds x its cost per hour)
+    sla_class: str | None = None
+    enqueued_at: float | None = None
+    finished_at: float = Field(default_factory=time.time)
+
+    @classmethod
+    def abandoned(cls, request: GenerateRequest, status: TaskStatus, worker_id: str, usage: Usage | None = None,
+                  **worker_fields) -> CompletionEvent:
+        """A request that ended without finishing: what is known of it, timed from its enqueueing."""
+        elapsed = time.time() - request.enqueued_at
+        timing = Timing(queue_s=elapsed, ttft_s=elapsed, tpot_s=0.0, e2e_s=elapsed, engine_s=0.0, engine_step_s=0.0)
+        return cls(request_id=request.request_id, model=request.routing.model if request.routing else request.model,
+                   worker_id=worker_id, api_key_name=request.api_key_name, api_key_id=request.api_key_id,
+                   user=request.user, finish_reasons=[],
+                   usage=usage or Usage(prompt_tokens=0, completion_tokens=0), timing=timing, routing=request.routing,
+                   status=status, sla_class=request.sla_class, enqueued_at=request.enqueued_at,
+                   traceparent=request.traceparent, **worker_fields)
 
 
 class DeadLetter(Message):

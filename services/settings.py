@@ -6,6 +6,8 @@ Each service gets only its own settings object; the README's settings table list
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Literal
 
 from pydantic import AliasChoices, Field
@@ -73,11 +75,27 @@ class CacheSettings(BaseSettings):
     semantic_max_entries: int = 10_000  # per tenant and model; the oldest go first
 
 
+class AccountingSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TOKENFLEET_ACCOUNTING_")
+    # Unset: an embedded SQLite file, ledger.db in TOKENFLEET_CACHE_DIR (default ~/.cache/tokenfleet).
+    database_url: str | None = Field(default=None, validation_alias=_env("DATABASE_URL"))
+    prices_path: str | None = None  # default: services/accounting/default_prices.toml
+    sla_path: str | None = None  # default: services/accounting/sla_classes.toml
+
+    def ledger_url(self) -> str:
+        if self.database_url:
+            return self.database_url
+        directory = Path(os.environ.get("TOKENFLEET_CACHE_DIR") or Path.home() / ".cache" / "tokenfleet")
+        directory.mkdir(parents=True, exist_ok=True)
+        return f"sqlite:///{directory / 'ledger.db'}"
+
+
 class WorkerSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TOKENFLEET_WORKER_")
     model: str = "tokenfleet-small"  # built-in name or HF model directory
     served_model_name: str | None = None  # default: the built-in name or the directory's name
     tier: str = "other"
+    worker_class: str | None = None  # prices its measured cost (see the price table); default: cpu or gpu
     device: str = "cpu"
     dtype: str = "auto"
     max_num_seqs: int = 64

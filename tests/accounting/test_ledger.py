@@ -1,0 +1,109 @@
+"""The ledger on a real SQL database (PostgreSQL at DATABASE_URL, else SQLite) fed from a real Redis events
+stream: one row per task, replays add nothing, a consumer killed mid-batch loses nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from decimal import Decimal
+
+from sqlalchemy import func, select
+
+from services import protocol as p
+from services import streams
+from services.accounting import ledger
+from services.accounting.consumer import ACCOUNTING_GROUP, LedgerConsumer
+from services.accounting.models import LedgerRow
+from services.accounting.prices import PriceTable
+from services.accounting.sla import SlaPolicy
+from services.redis_client import EmbeddedRedis, connect
+from services.settings import StreamSettings
+
+PRICES, SLA = PriceTable.load(), SlaPolicy.load()
+
+
+def _event(status: p.TaskStatus = "ok", cache: str | None = None, **usage) -> p.CompletionEvent:
+    routing = p.RoutingDecision(model="tokenfleet-large", reason="named by the request", decided_at=0.0,
+                                worker="w1", worker_reason="prefix 64 cached tokens", cache=cache)
+    return p.CompletionEvent(
+        request_id=uuid.uuid4().hex, model="tokenfleet-large", worker_id="w1", worker_class="cpu", tier="large",
+        api_key_name="acme", api_key_id="k" * 64, finish_reasons=["stop"], routing=routing, status=status,
+        usage=p.Usage(**{"prompt_tokens": 100, "completion_tokens": 20, "cached_tokens": 64, **usage}),
+        timing=p.Timing(queue_s=0.01, ttft_s=0.2, tpot_s=0.02, e2e_s=0.6, engine_s=0.55, engine_step_s=0.36),
+        enqueued_at=1_000.0, finished_at=1_000.6)
+
+
+def _rows(engine) -> list[LedgerRow]:
+    with engine.connect() as connection:
+        return list(connection.execute(select(LedgerRow).order_by(LedgerRow.id)))
+
+
+def test_a_row_holds_the_tasks_tokens_costs_timings_and_decisions(ledger_engine):
+    event = _event()
+    ledger.record(ledger_engine, [ledger.row(event, PRICES, SLA)])
+    [row] = _rows(ledger_engine)
+    assert (row.request_id, row.tenant, row.model, row.tier, row.worker_id, row.status) == (
+        event.request_id, "acme", "tokenfleet-large", "large", "w1", "ok")
+    assert (row.prompt_tokens, row.cached_tokens, row.completion_tokens, row.cache_result) == (100, 64, 20, "prefix")
+    price = PRICES.price("tokenfleet-large")
+    assert row.list_cost_usd == Decimal(repr((36 * price.input + 64 * price.cached_input + 20 * price.output) / 1e6)
+                                        ).quantize(Decimal("1e-12"))
+    assert row.measured_cost_usd == Decimal(repr(0.36 * PRICES.usd_per_hour["cpu"] / 3600)).quantize(Decimal("1e-12"))
+    assert row.gpu_seconds == 0.36 and row.sla_class == "interactive" and row.sla_met
+    assert row.routing_reason == "named by the request; prefix 64 cached tokens"
+
+
+def test_a_replayed_event_adds_no_second_row(ledger_engine):
+    rows = [ledger.row(_event(), PRICES, SLA) for _ in range(3)]
+    assert len(ledger.record(ledger_engine, rows[:2])) == 2
+    assert ledger.record(ledger_engine, rows) == [rows[2]["request_id"]]
+    assert len(_rows(ledger_engine)) == 3
+
+
+def test_failed_tasks_are_recorded_with_their_status_and_never_meet_an_sla(ledger_engine):
+    events = [_event(status) for status in ("error", "cancelled", "dead-lettered")]
+    ledger.record(ledger_engine, [ledger.row(e, PRICES, SLA) for e in events])
+    assert [(r.status, r.sla_met) for r in _rows(ledger_engine)] == [
+        ("error", False), ("cancelled", False), ("dead-lettered", False)]
+
+
+def test_a_response_cache_hit_is_priced_at_the_cached_input_price_with_no_measured_cost(ledger_engine):
+    event = _event(cache="semantic", cached_tokens=100)
+    event.worker_class, event.timing.engine_step_s = None, 0.0
+    ledger.record(ledger_engine, [ledger.row(event, PRICES, SLA)])
+    [row] = _rows(ledger_engine)
+    expected = Decimal(repr(120 * PRICES.price("tokenfleet-large").cached_input / 1e6)).quantize(Decimal("1e-12"))
+    assert (row.cache_result, row.list_cost_usd, row.measured_cost_usd) == ("semantic", expected, Decimal(0))
+
+
+def test_a_consumer_killed_before_its_commit_loses_no_event_and_a_replay_duplicates_none(ledger_engine):
+    events = [_event() for _ in range(5)]
+    settled = []
+
+    async def settle(request_id: str, usd: float) -> None:
+        settled.append(request_id)
+
+    async def scenario():
+        embedded = EmbeddedRedis()
+        redis = connect(embedded.url)
+        try:
+            await streams.ensure_group(redis, p.EVENTS_STREAM, ACCOUNTING_GROUP)
+            for event in events:
+                await redis.xadd(p.EVENTS_STREAM, event.encode())
+            # consumer "a" reads the batch and dies before writing it: the events stay pending under its name
+            await streams.read_new(redis, p.EVENTS_STREAM, ACCOUNTING_GROUP, "a", 10, None)
+            survivor = LedgerConsumer(redis, ledger_engine, PRICES, SLA, "b", StreamSettings(claim_idle_ms=0), settle)
+            claimed = await streams.StaleClaimer(redis, p.EVENTS_STREAM, ACCOUNTING_GROUP, "b",
+                                                 StreamSettings(claim_idle_ms=0)).claim(10)
+            await survivor.write(claimed)
+            await survivor.write(claimed)  # as if "b" crashed after its commit, before acknowledging
+            return (await redis.xpending(p.EVENTS_STREAM, ACCOUNTING_GROUP))["pending"]
+        finally:
+            await redis.aclose()
+            embedded.close()
+
+    pending = asyncio.run(scenario())
+    with ledger_engine.connect() as connection:
+        count = connection.execute(select(func.count()).select_from(LedgerRow)).scalar_one()
+    assert count == 5 and pending == 0
+    assert sorted(set(settled)) == sorted(e.request_id for e in events)  # every task settled, replays harmless
