@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
-import signal
 import socket
 from pathlib import Path
 
@@ -15,7 +13,7 @@ from gpu_worker.engine.builtin_models import BUILTIN_MODELS
 from gpu_worker.metrics import serve_metrics
 from gpu_worker.service import Worker
 from services import protocol as p
-from services.gc_tuning import freeze_startup_objects
+from services.gc_tuning import started
 from services.redis_client import connect
 from services.settings import CacheSettings, StreamSettings, WorkerSettings
 
@@ -31,17 +29,13 @@ async def serve(settings: WorkerSettings, redis_url: str) -> None:
                                     max_num_seqs=settings.max_num_seqs,
                                     max_num_batched_tokens=settings.max_num_batched_tokens,
                                     kv_cache_memory_bytes=settings.kv_cache_memory_bytes))
-    freeze_startup_objects()
     name = served_name(settings)
     info = p.ModelInfo(name=name, model_dir=str(engine.model_dir), max_model_len=engine.max_model_len,
                        tier=settings.tier, kv_block_size=engine.block_size)
     worker_id = f"{socket.gethostname()}-{os.getpid()}"
     metrics_port = serve_metrics(engine, name, settings.metrics_port)
     redis = connect(redis_url)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    stop = started()
     logging.getLogger(__name__).info("worker %s serving %s (metrics on port %s)", worker_id, name, metrics_port)
     try:
         await Worker(redis, AsyncLLMEngine(engine), info, worker_id, settings, StreamSettings(),

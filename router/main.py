@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
-import signal
 import socket
 
 from cache.response_cache import ResponseCache
 from router.policy import TierPolicy, TierRule
 from router.service import Router
 from router.worker_choice import RoundRobinChooser, WorkerChooser
-from services.gc_tuning import freeze_startup_objects
+from services.gc_tuning import started
 from services.redis_client import connect
 from services.settings import CacheSettings, RouterSettings, StreamSettings
 
@@ -33,11 +31,7 @@ async def serve(settings: RouterSettings, redis_url: str) -> None:
                WorkerChooser(settings.min_prefix_tokens, settings.load_cost_tokens))
     tiers = tier_policy(settings)
     redis = connect(redis_url)
-    freeze_startup_objects()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    stop = started()
     try:
         caches, router_id = ResponseCache(redis, CacheSettings()), f"{socket.gethostname()}-{os.getpid()}"
         await Router(redis, tiers, chooser, caches, router_id, StreamSettings()).run(stop)

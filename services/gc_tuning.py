@@ -6,9 +6,22 @@ which is the stack's tail latency. Objects alive at the end of start-up live as 
 `gc.freeze()` moves them out of collection for good.
 """
 
+import asyncio
 import gc
+import signal
 
 
 def freeze_startup_objects() -> None:
     gc.collect()
     gc.freeze()
+
+
+def started() -> asyncio.Event:
+    """Call once a service has started (in its event loop): freezes start-up's objects and returns an event
+    that SIGTERM or SIGINT sets, on which the service stops (draining first where it has work in hand)."""
+    freeze_startup_objects()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
