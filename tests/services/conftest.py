@@ -45,6 +45,7 @@ class Stack:
     url: str
     small_queue_url: str  # a second gateway whose queue depth is 2
     env: dict[str, str]
+    database_url: str  # the ledger's (the accounting service writes it)
     workers: list[subprocess.Popen] = field(default_factory=list)
     others: list[subprocess.Popen] = field(default_factory=list)
 
@@ -80,6 +81,27 @@ class Stack:
             time.sleep(0.1)
         raise AssertionError(f"no completion event for {request_id}")
 
+    def ledger_row(self, response_id: str, timeout_s: float = 10):
+        """The ledger row of the request behind an OpenAI response id, once the accounting service wrote it."""
+        from sqlalchemy import select
+
+        from services.accounting import db
+        from services.accounting.models import LedgerRow
+
+        request_id = response_id.split("-", 1)[1]
+        engine = db.connect(self.database_url)
+        try:
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline:
+                with engine.connect() as connection:
+                    row = connection.execute(select(LedgerRow).where(LedgerRow.request_id == request_id)).first()
+                if row is not None:
+                    return row
+                time.sleep(0.1)
+        finally:
+            engine.dispose()
+        raise AssertionError(f"no ledger row for {request_id}")
+
     def worker_statuses(self, model: str = MODEL) -> list[p.WorkerStatus]:
         r = self.redis()
         return [p.WorkerStatus.model_validate_json(raw) for key in r.scan_iter(f"{p.PREFIX}:heartbeat:{model}:*")
@@ -87,17 +109,19 @@ class Stack:
 
 
 @pytest.fixture(scope="session")
-def stack(redis_url):
+def stack(redis_url, new_database):
     sync_redis.Redis.from_url(redis_url).flushdb()
-    env = {**os.environ, **STACK_ENV, "REDIS_URL": redis_url}
+    database_url = new_database()
+    env = {**os.environ, **STACK_ENV, "REDIS_URL": redis_url, "DATABASE_URL": database_url}
     port, small_port = _free_port(), _free_port()
-    stack = Stack(redis_url, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{small_port}", env)
+    stack = Stack(redis_url, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{small_port}", env, database_url)
     cli = [sys.executable, "-m", "services.cli"]
     stack.others = [
         subprocess.Popen(cli + ["gateway", "--port", str(port)], env=env),
         subprocess.Popen(cli + ["gateway", "--port", str(small_port)],
                          env={**env, "TOKENFLEET_GATEWAY_MAX_QUEUE_DEPTH": "2"}),
         subprocess.Popen(cli + ["router"], env=env),
+        subprocess.Popen(cli + ["accounting"], env=env),
     ]
     stack.start_worker()
     stack.start_worker()

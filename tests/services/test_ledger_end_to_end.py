@@ -1,0 +1,47 @@
+"""Through the whole stack: every request the gateway answers becomes one ledger row whose tokens equal the
+response's usage, with its costs, timings, decisions and status."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from tests.services.conftest import MODEL
+
+pytestmark = pytest.mark.usefixtures("stack")
+
+
+def test_a_request_becomes_one_ledger_row_with_the_responses_usage(stack):
+    response = stack.client().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Tell me about ledgers."}], max_tokens=6, temperature=0)
+    row = stack.ledger_row(response.id)
+    assert (row.prompt_tokens, row.completion_tokens) == (response.usage.prompt_tokens,
+                                                          response.usage.completion_tokens)
+    assert (row.tenant, row.model, row.status, row.tier) == ("dev", MODEL, "ok", "small")
+    assert row.worker_class == "cpu" and row.gpu_seconds > 0 and row.measured_cost_usd > 0 and row.list_cost_usd > 0
+    assert row.e2e_s >= row.ttft_s > 0 and row.routing_reason.startswith("named by the request")
+
+
+def test_a_streamed_request_is_recorded_with_the_usage_of_its_final_chunk(stack):
+    chunks = list(stack.client().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Stream it."}], max_tokens=5, temperature=0,
+        stream=True, stream_options={"include_usage": True}))
+    row = stack.ledger_row(chunks[-1].id)
+    assert row.completion_tokens == chunks[-1].usage.completion_tokens == 5
+
+
+def test_a_response_cache_hit_is_recorded_as_one(stack):
+    client, question = stack.client(), "What does a ledger row hold? (ledger e2e)"
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": question}], max_tokens=4, temperature=0,
+                  extra_body={"cache": "exact"})
+    client.chat.completions.create(**kwargs)
+    hit = client.chat.completions.create(**kwargs)
+    row = stack.ledger_row(hit.id)
+    assert (row.cache_result, row.worker_id, float(row.measured_cost_usd)) == ("exact", "response-cache", 0.0)
+
+
+def test_a_prompt_the_worker_rejects_is_recorded_as_an_error(stack):
+    with pytest.raises(openai.BadRequestError) as err:  # past the context: only the worker's tokenizer can tell
+        stack.client().completions.create(model=MODEL, prompt="x " * 5000, max_tokens=4)
+    row = stack.ledger_row("cmpl-" + err.value.response.headers["x-request-id"])
+    assert (row.status, row.sla_met, row.completion_tokens) == ("error", False, 0)
