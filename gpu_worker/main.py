@@ -10,7 +10,7 @@ from pathlib import Path
 from cache.response_cache import ResponseCache
 from gpu_worker.engine import AsyncLLMEngine, EngineConfig, LLMEngine
 from gpu_worker.engine.builtin_models import BUILTIN_MODELS
-from gpu_worker.metrics import serve_metrics
+from gpu_worker.metrics import WorkerMetrics
 from gpu_worker.service import Worker
 from services import protocol as p
 from services.gc_tuning import started
@@ -33,12 +33,13 @@ async def serve(settings: WorkerSettings, redis_url: str) -> None:
     info = p.ModelInfo(name=name, model_dir=str(engine.model_dir), max_model_len=engine.max_model_len,
                        tier=settings.tier, kv_block_size=engine.block_size)
     worker_id = f"{socket.gethostname()}-{os.getpid()}"
-    metrics_port = serve_metrics(engine, name, settings.metrics_port)
+    metrics = WorkerMetrics(engine, name)
+    metrics_port = metrics.serve(settings.metrics_port)
     redis = connect(redis_url)
     stop = started()
     logging.getLogger(__name__).info("worker %s serving %s (metrics on port %s)", worker_id, name, metrics_port)
     try:
         await Worker(redis, AsyncLLMEngine(engine), info, worker_id, settings, StreamSettings(),
-                     ResponseCache(redis, CacheSettings()), metrics_port).run(stop)
+                     ResponseCache(redis, CacheSettings()), metrics, metrics_port).run(stop)
     finally:
         await redis.aclose()

@@ -1,11 +1,18 @@
-"""The worker's Prometheus metrics, read from the engine at scrape time (vLLM's metric names)."""
+"""The worker's Prometheus metrics under vLLM's names with our prefix: engine state read at scrape time,
+and per-request latency histograms observed as requests finish."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from gpu_worker.engine import LLMEngine
+from services import protocol as p
+
+# vLLM's buckets for the same histograms (seconds): the dashboards people already have read them.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0)
 
 
 class EngineCollector:
@@ -25,16 +32,46 @@ class EngineCollector:
             family = GaugeMetricFamily(name, doc, labels=["model"])
             family.add_metric([self.model], value)
             yield family
-        preemptions = CounterMetricFamily("tokenfleet:num_preemptions", "Sequences preempted", labels=["model"])
-        preemptions.add_metric([self.model], stats["num_preemptions"])
-        yield preemptions
+        counters = {
+            "tokenfleet:num_preemptions": ("Sequences preempted", stats["num_preemptions"]),
+            "tokenfleet:prefix_cache_queries": ("Prompt tokens looked up in the prefix cache",
+                                                stats["prefix_cache_queries"]),
+            "tokenfleet:prefix_cache_hits": ("Prompt tokens found in the prefix cache", stats["prefix_cache_hits"]),
+            "tokenfleet:engine_busy_seconds": ("Wall time of every engine step (utilization = its rate)",
+                                               stats["busy_seconds"]),
+        }
+        for name, (doc, value) in counters.items():
+            family = CounterMetricFamily(name, doc, labels=["model"])
+            family.add_metric([self.model], value)
+            yield family
 
 
-def serve_metrics(engine: LLMEngine, model: str, port: int) -> int | None:
-    """Serves /metrics on `port` (0: any free one) in a background thread; returns the port, None if off."""
-    if port < 0:
-        return None
-    registry = CollectorRegistry()
-    registry.register(EngineCollector(engine, model))
-    server, _ = start_http_server(port, registry=registry)
-    return server.server_port
+class WorkerMetrics:
+    def __init__(self, engine: LLMEngine, model: str):
+        self.model = model
+        self.registry = CollectorRegistry()
+        self.registry.register(EngineCollector(engine, model))
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, ["model"], buckets=buckets, registry=self.registry)
+
+        self.ttft = histogram("tokenfleet:time_to_first_token_seconds", "Enqueued to first token", TTFT_BUCKETS)
+        self.tpot = histogram("tokenfleet:time_per_output_token_seconds", "Mean time per output token after the "
+                              "first", TPOT_BUCKETS)
+        self.e2e = histogram("tokenfleet:e2e_request_latency_seconds", "Enqueued to finished", E2E_BUCKETS)
+        self.queue = histogram("tokenfleet:request_queue_time_seconds", "Enqueued to admitted by the engine",
+                               TTFT_BUCKETS)
+
+    def observe(self, timing: p.Timing, completion_tokens: int) -> None:
+        self.ttft.labels(self.model).observe(timing.ttft_s)
+        if completion_tokens > 1:
+            self.tpot.labels(self.model).observe(timing.tpot_s)
+        self.e2e.labels(self.model).observe(timing.e2e_s)
+        self.queue.labels(self.model).observe(timing.queue_s)
+
+    def serve(self, port: int) -> int | None:
+        """Serves /metrics on `port` (0: any free one) in a background thread; returns the port, None if off."""
+        if port < 0:
+            return None
+        server, _ = start_http_server(port, registry=self.registry)
+        return server.server_port

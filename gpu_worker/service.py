@@ -22,6 +22,7 @@ from redis.exceptions import ResponseError
 from cache.prefix_directory import PrefixDirectory
 from cache.response_cache import ResponseCache
 from gpu_worker.engine import AsyncLLMEngine, InvalidRequestError, RequestOutput
+from gpu_worker.metrics import WorkerMetrics
 from gpu_worker.orphan_inboxes import OrphanInboxes
 from gpu_worker.request_codec import ReplyHistory, logprob_entries, prompt_ids, sampling_params
 from services import protocol as p
@@ -34,7 +35,7 @@ log = logging.getLogger(__name__)
 class Worker:
     def __init__(self, redis: aioredis.Redis, engine: AsyncLLMEngine, info: p.ModelInfo, worker_id: str,
                  settings: WorkerSettings, stream_settings: StreamSettings, caches: ResponseCache,
-                 metrics_port: int | None = None):
+                 metrics: WorkerMetrics, metrics_port: int | None = None):
         self.redis, self.engine, self.info, self.worker_id = redis, engine, info, worker_id
         self.caches = caches
         self.settings, self.streams = settings, stream_settings
@@ -43,7 +44,7 @@ class Worker:
         self.replies = streams.ReplyPublisher(redis, stream_settings)
         self.directory = PrefixDirectory(redis, info.name)
         self.orphans = OrphanInboxes(redis, info.name, worker_id, stream_settings, self.directory)
-        self.metrics_port = metrics_port
+        self.metrics, self.metrics_port = metrics, metrics_port
         self.worker_fields = {"tier": info.tier, "worker_class": settings.worker_class or
                               ("cpu" if settings.device == "cpu" else "gpu")}
         self.inflight: dict[str, tuple[streams.Delivery, asyncio.Task]] = {}  # request id -> (its entry, its task)
@@ -198,6 +199,7 @@ class Worker:
                                   sla_class=request.sla_class, enqueued_at=request.enqueued_at,
                                   traceparent=request.traceparent, **self.worker_fields)
         await self._close(delivery, rid, [finished], event)
+        self.metrics.observe(timing, usage.completion_tokens)
         if request.cache_fill is not None:
             await self._fill_cache(request, usage)
 

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass, field
 
 import openai
@@ -31,6 +32,18 @@ STACK_ENV = {
     "TOKENFLEET_GATEWAY_DEV_KEY": API_KEY,
     "OMP_NUM_THREADS": "1",
 }
+
+
+def worker_metric(status: p.WorkerStatus, name: str, default: float | None = None) -> float:
+    """One sample of a worker's Prometheus metrics (the first series of `name`); `default` when it has none
+    (a labelled histogram appears with its first observation)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{status.metrics_port}/metrics", timeout=5) as response:
+        for line in response.read().decode().splitlines():
+            if line.startswith(name + "{"):
+                return float(line.rsplit(" ", 1)[1])
+    if default is not None:
+        return default
+    raise AssertionError(f"{name} not in the worker's metrics")
 
 
 def _free_port() -> int:

@@ -7,13 +7,12 @@ import os
 import signal
 import threading
 import time
-import urllib.request
 
 import httpx
 
 from gpu_worker.engine import SamplingParams
 from services import protocol as p
-from tests.services.conftest import API_KEY, MODEL
+from tests.services.conftest import API_KEY, MODEL, worker_metric
 
 PROMPTS = [f"Request number {i} says:" for i in range(20)]
 MAX_TOKENS = 600  # long enough that the victim dies mid-generation
@@ -79,14 +78,6 @@ def test_killing_one_of_two_workers_mid_stream_loses_and_repeats_nothing(stack, 
     assert stack.redis().xlen(p.DEAD_LETTER_STREAM) == dead_letters_before
 
 
-def _worker_metric(status: p.WorkerStatus, name: str) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{status.metrics_port}/metrics", timeout=5) as response:
-        for line in response.read().decode().splitlines():
-            if line.startswith(name + "{"):
-                return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{name} not in the worker's metrics")
-
-
 def test_client_disconnect_aborts_the_request_and_frees_its_kv_blocks(stack):
     body = {"model": MODEL, "prompt": "Keep talking", "max_tokens": 1500, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", stack.url + "/v1/completions", json=body, timeout=60,
@@ -96,9 +87,9 @@ def test_client_disconnect_aborts_the_request_and_frees_its_kv_blocks(stack):
             next(lines)
         started = p.decode(p.ReplyChunk, stack.redis().xrange(p.reply_stream(response.headers["x-request-id"]))[0][1])
         status = next(s for s in stack.worker_statuses() if s.worker_id == started.worker_id)
-        assert _worker_metric(status, "tokenfleet:kv_blocks_used") > 0
+        assert worker_metric(status, "tokenfleet:kv_blocks_used") > 0
     deadline = time.monotonic() + 5  # well before the 1500 tokens could finish
-    while _worker_metric(status, "tokenfleet:kv_blocks_used") or _worker_metric(
+    while worker_metric(status, "tokenfleet:kv_blocks_used") or worker_metric(
             status, "tokenfleet:num_requests_running"):
         assert time.monotonic() < deadline, "the worker kept the aborted request"
         time.sleep(0.1)
@@ -130,7 +121,7 @@ def test_a_non_streaming_client_that_gives_up_cancels_its_request(stack):
     deadline = time.monotonic() + 3  # well before 2000 tokens could finish
     while True:
         replies = [p.decode(p.ReplyChunk, f) for _, f in stack.redis().xrange(p.reply_stream(request.request_id))]
-        idle = all(_worker_metric(s, "tokenfleet:num_requests_running") == 0 for s in stack.worker_statuses())
+        idle = all(worker_metric(s, "tokenfleet:num_requests_running") == 0 for s in stack.worker_statuses())
         if replies and replies[-1].kind == "error" and idle:
             break
         assert time.monotonic() < deadline, "the request kept running after its client left"
