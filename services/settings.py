@@ -44,6 +44,7 @@ class GatewaySettings(BaseSettings):
     idempotency_ttl_s: int = 3600
     request_timeout_s: float = 600.0  # no reply for this long: 504
     dev_key: str | None = None  # registered at start-up when set (`tokenfleet up` sets one)
+    prices_path: str | None = None  # the price table budgets are estimated with; default: the default table
 
 
 class RouterSettings(BaseSettings):
@@ -81,6 +82,9 @@ class AccountingSettings(BaseSettings):
     database_url: str | None = Field(default=None, validation_alias=_env("DATABASE_URL"))
     prices_path: str | None = None  # default: services/accounting/default_prices.toml
     sla_path: str | None = None  # default: services/accounting/sla_classes.toml
+    # The finance API (ledger rows, cost and goodput reports), served next to the ledger consumer.
+    host: str = "127.0.0.1"
+    port: int = 8001
 
     def ledger_url(self) -> str:
         if self.database_url:

@@ -52,6 +52,7 @@ class LocalStack:
     redis_url: str
     procs: list[subprocess.Popen]
     embedded: EmbeddedRedis | None
+    env: dict[str, str]  # what every service was started with
 
     def stop(self) -> None:
         stop(self.procs)
@@ -67,7 +68,8 @@ def start(host: str, port: int, workers: list[tuple[str, str]], env: dict[str, s
     embedded = None if redis_url else EmbeddedRedis()
     redis_url = redis_url or embedded.url
     key = GatewaySettings().dev_key or "tf-dev-" + secrets.token_urlsafe(16)
-    env = {**os.environ, **(env or {}), "REDIS_URL": redis_url, "TOKENFLEET_GATEWAY_DEV_KEY": key}
+    env = {"TOKENFLEET_ACCOUNTING_PORT": str(port + 1), **os.environ, **(env or {}), "REDIS_URL": redis_url,
+           "TOKENFLEET_GATEWAY_DEV_KEY": key}
     cli = [sys.executable, "-m", "services.cli"]
     commands = [cli + ["gateway", "--host", host, "--port", str(port)], cli + ["router"], cli + ["accounting"]]
     commands += [cli + ["worker", "--model", model, "--tier", tier] for model, tier in workers]
@@ -76,7 +78,7 @@ def start(host: str, port: int, workers: list[tuple[str, str]], env: dict[str, s
     threads = env.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // len(workers)))
     workers_env = {**env, "OMP_NUM_THREADS": threads, **(worker_env or {})}
     procs = [subprocess.Popen(command, env=workers_env if "worker" in command else env) for command in commands]
-    return LocalStack(f"http://{host}:{port}", key, redis_url, procs, embedded)
+    return LocalStack(f"http://{host}:{port}", key, redis_url, procs, embedded, env)
 
 
 def _interrupt(signum, frame) -> None:
@@ -94,6 +96,7 @@ def up(host: str, port: int, workers: list[tuple[str, str]], ready_timeout_s: fl
             print("tokenfleet: the stack did not become ready; stopping", file=sys.stderr)
             return 1
         print(f"\ntokenfleet is up: {url}/v1  (Redis {stack.redis_url})\n  API key: {key}\n"
+              f"  finance API: http://{host}:{stack.env['TOKENFLEET_ACCOUNTING_PORT']}/v1/ledger\n"
               f"  try: curl {url}/v1/chat/completions -H 'Authorization: Bearer {key}' "
               "-H 'Content-Type: application/json' -d '{\"model\": \"auto\", \"messages\": "
               "[{\"role\": \"user\", \"content\": \"Hello!\"}]}'\nCtrl-C stops everything.", flush=True)

@@ -125,7 +125,8 @@ class Stack:
 def stack(redis_url, new_database):
     sync_redis.Redis.from_url(redis_url).flushdb()
     database_url = new_database()
-    env = {**os.environ, **STACK_ENV, "REDIS_URL": redis_url, "DATABASE_URL": database_url}
+    env = {**os.environ, **STACK_ENV, "REDIS_URL": redis_url, "DATABASE_URL": database_url,
+           "TOKENFLEET_ACCOUNTING_PORT": str(_free_port())}
     port, small_port = _free_port(), _free_port()
     stack = Stack(redis_url, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{small_port}", env, database_url)
     cli = [sys.executable, "-m", "services.cli"]
