@@ -11,6 +11,9 @@ from gateway.schemas import RequestError
 from services import protocol as p
 from services.settings import GatewaySettings, RouterSettings
 
+# The codes of the refusals below: a request refused with one was never enqueued.
+REFUSALS = frozenset({"model_not_found", "no_worker", "queue_full"})
+
 
 def inflight_key(model: str) -> str:
     """Sorted set of the gateway's unfinished requests for a requested model, scored by enqueue time."""

@@ -1,9 +1,10 @@
-"""The gateway: OpenAI's HTTP API in front of the request stream. Authenticates, validates, admits,
-enqueues, and relays the reply stream back (whole or as server-sent events)."""
+"""The gateway: OpenAI's HTTP API in front of the request stream. Authenticates, validates, enforces the
+key's limits (gateway/budgets.py), admits, enqueues, and relays the reply stream back (whole or as SSE)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import secrets
 import time
@@ -15,12 +16,14 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gateway.admission import Admission, alive_workers, served_models
+from gateway.admission import REFUSALS, Admission, alive_workers, served_models
 from gateway.auth import ApiKey, authenticate, register_key
+from gateway.budgets import Budgets, Estimator
 from gateway.idempotency import Idempotency
 from gateway.relay import Relay
 from gateway.schemas import CACHE_HEADER, ChatCompletionRequest, CompletionRequest, RequestError, cache_mode, parse
 from services import protocol as p
+from services.accounting.prices import PriceTable
 from services.settings import GatewaySettings, RouterSettings, StreamSettings
 
 
@@ -71,10 +74,13 @@ class Gateway:
     """The handlers, over the components they share; `create_app` wires them to routes."""
 
     def __init__(self, redis: aioredis.Redis, settings: GatewaySettings, tiers: RouterSettings,
-                 stream_settings: StreamSettings, default_cache_mode: p.CacheMode = "off"):
+                 stream_settings: StreamSettings, default_cache_mode: p.CacheMode = "off",
+                 prices: PriceTable | None = None):
         self.redis, self.settings, self.default_cache_mode = redis, settings, default_cache_mode
         self.idempotency = Idempotency(redis, settings.idempotency_ttl_s)
         self.relay = Relay(redis, Admission(redis, settings, tiers), self.idempotency, settings, stream_settings)
+        prices = prices or PriceTable.load(settings.prices_path)
+        self.budgets = Budgets(redis, Estimator(redis, prices, (tiers.small_model, tiers.large_model)))
         self.metrics = GatewayMetrics()
 
     async def register_dev_key(self) -> None:
@@ -97,14 +103,40 @@ class Gateway:
             raise RequestError(p.ErrorBody(message=f"could not parse the JSON body: {exc}")) from None
         req = parse(schema, body)
         message = req.to_message(request.state.request_id, api_key.name)
+        message.api_key_id = api_key.hash  # the ledger's key, and where a budget's settle charges
         message.traceparent = _traceparent(request.headers.get("traceparent"))
         message.cache_mode = cache_mode(req.cache, request.headers.get(CACHE_HEADER), api_key.cache_mode,
                                         self.default_cache_mode)
+        record = None
         if key := request.headers.get("idempotency-key"):
             first = await self.idempotency.claim(api_key.hash, key, message)
-            if first is not None:
+            if first is not None:  # a replay runs nothing: it is neither counted nor charged
                 return await self.relay.replay(req, first)
-        return await self.relay.run(req, message, (api_key.hash, key) if key else None, request.is_disconnected)
+            record = (api_key.hash, key)
+        if api_key.limited:
+            return await self._limited(req, message, api_key, record, request)
+        return await self.relay.run(req, message, record, request.is_disconnected)
+
+    async def _limited(self, req, message: p.GenerateRequest, api_key: ApiKey, record: tuple[str, str] | None,
+                       request: Request) -> Response:
+        """A request under its key's rate limits and budget: admitted and its cost reserved before the queue
+        admission; the reservation is returned when the request surely did not run."""
+        try:
+            await self.budgets.admit(api_key, message)
+        except RequestError:
+            if record:
+                await self.idempotency.forget(*record)
+            raise
+        try:
+            return await self.relay.run(req, message, record, request.is_disconnected)
+        except RequestError as exc:
+            if exc.error.code in REFUSALS:  # refused before it was enqueued
+                await self.budgets.release(message.request_id)
+            raise
+        except aioredis.RedisError:  # most likely failed to enqueue; if it ran after all, its settle charges it
+            with contextlib.suppress(aioredis.RedisError):  # Redis may be down: the sweep returns it later
+                await self.budgets.release(message.request_id)
+            raise
 
     async def chat_completions(self, request: Request) -> Response:
         return await self.generate(request, ChatCompletionRequest)
@@ -148,8 +180,10 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
 
 
 def create_app(redis: aioredis.Redis, settings: GatewaySettings, tiers: RouterSettings,
-               stream_settings: StreamSettings, default_cache_mode: p.CacheMode = "off") -> FastAPI:
-    gateway = Gateway(redis, settings, tiers, stream_settings, default_cache_mode)
+               stream_settings: StreamSettings, default_cache_mode: p.CacheMode = "off",
+               prices: PriceTable | None = None) -> FastAPI:
+    """`prices`: the table budgets are estimated with; None loads `settings.prices_path` (else the default)."""
+    gateway = Gateway(redis, settings, tiers, stream_settings, default_cache_mode, prices)
     app = FastAPI(title="tokenfleet gateway", on_startup=[gateway.register_dev_key])
     app.add_middleware(RequestStamp, metrics=gateway.metrics)
     app.add_exception_handler(RequestError, _request_error)

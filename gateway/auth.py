@@ -1,4 +1,5 @@
-"""Bearer API keys, stored only as SHA-256 hashes in Redis (`API_KEYS_KEY`)."""
+"""Bearer API keys, stored only as SHA-256 hashes in Redis (`API_KEYS_KEY`), each with its limits (rate
+limits and a USD budget, enforced by `gateway/budgets.py`)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,14 @@ import json
 import secrets
 import time
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import redis.asyncio as aioredis
 
 from services import protocol as p
 
 KEY_PREFIX = "tf-"
+BudgetPeriod = Literal["day", "month", "total"]  # day and month are UTC calendar periods
 
 
 def hash_key(key: str) -> str:
@@ -24,13 +27,33 @@ class ApiKey:
     hash: str
     name: str  # the tenant: response caches, and later the ledger, are scoped by it
     cache_mode: p.CacheMode | None = None  # the response caches for its requests that ask for none
+    # Limits; None: unlimited. tpm counts a request's estimated prompt tokens plus all it may generate.
+    rpm: int | None = None
+    tpm: int | None = None
+    budget_usd: float | None = None  # list price (the price table) per `budget_period`
+    budget_period: BudgetPeriod = "month"
+    admin: bool = False  # the finance API shows an admin every tenant's rows (a tenant's key: its own)
+
+    @property
+    def limited(self) -> bool:
+        """Whether admission must ask Redis about this key's limits (an unlimited key costs no round trip)."""
+        return self.rpm is not None or self.tpm is not None or self.budget_usd is not None
 
 
 async def register_key(redis: aioredis.Redis, name: str, key: str | None = None,
-                       cache_mode: p.CacheMode | None = None) -> str:
-    """Stores the hash of `key` (a new random key when None) under `name`; returns the key."""
+                       cache_mode: p.CacheMode | None = None, *, rpm: int | None = None, tpm: int | None = None,
+                       budget_usd: float | None = None, budget_period: BudgetPeriod = "month",
+                       admin: bool = False) -> str:
+    """Stores the hash of `key` (a new random key when None) under `name`, with its limits; returns the key."""
+    if budget_period not in get_args(BudgetPeriod):
+        raise ValueError(f"budget_period must be one of {', '.join(get_args(BudgetPeriod))}")
+    if any(limit is not None and limit < 0 for limit in (rpm, tpm, budget_usd)):
+        raise ValueError("limits cannot be negative")
     key = key or KEY_PREFIX + secrets.token_urlsafe(32)
-    record = {"name": name, "created": int(time.time())} | ({"cache": cache_mode} if cache_mode else {})
+    limits = {"rpm": rpm, "tpm": tpm, "budget_usd": budget_usd}
+    record = {"name": name, "created": int(time.time())} | ({"cache": cache_mode} if cache_mode else {}) \
+        | {field: value for field, value in limits.items() if value is not None} \
+        | ({"budget_period": budget_period} if budget_usd is not None else {}) | ({"admin": True} if admin else {})
     await redis.hset(p.API_KEYS_KEY, hash_key(key), json.dumps(record))
     return key
 
@@ -44,4 +67,5 @@ async def authenticate(redis: aioredis.Redis, authorization: str | None) -> ApiK
     if not record:
         return None
     fields = json.loads(record)
-    return ApiKey(digest, fields["name"], fields.get("cache"))
+    return ApiKey(digest, fields["name"], fields.get("cache"), fields.get("rpm"), fields.get("tpm"),
+                  fields.get("budget_usd"), fields.get("budget_period", "month"), fields.get("admin") is True)

@@ -118,7 +118,9 @@ def _keys_create(args: argparse.Namespace) -> int:
     async def create() -> str:
         redis = connect(_redis_url())
         try:
-            return await register_key(redis, args.name, cache_mode=args.cache)
+            return await register_key(redis, args.name, cache_mode=args.cache, rpm=args.rpm, tpm=args.tpm,
+                                      budget_usd=args.budget_usd, budget_period=args.budget_period,
+                                      admin=args.admin)
         finally:
             await redis.aclose()
 
@@ -164,6 +166,15 @@ def _add_service_commands(sub) -> None:
     create.add_argument("name", help="the tenant: response caches (and the ledger) are kept per name")
     create.add_argument("--cache", choices=["off", "exact", "semantic"], default=None,
                         help="response caches for this key's requests that choose none (default: the deployment's)")
+    create.add_argument("--rpm", type=int, default=None, help="requests per minute (default: unlimited)")
+    create.add_argument("--tpm", type=int, default=None,
+                        help="tokens per minute: estimated prompt tokens + max_tokens (default: unlimited)")
+    create.add_argument("--budget-usd", type=float, default=None,
+                        help="list-price spending per --budget-period, never exceeded (default: unlimited)")
+    create.add_argument("--budget-period", choices=["day", "month", "total"], default="month",
+                        help="the budget's period: a UTC day or month, or the key's lifetime")
+    create.add_argument("--admin", action="store_true",
+                        help="the finance API shows this key every tenant's ledger (others: their own)")
     create.set_defaults(func=_keys_create)
 
 

@@ -7,7 +7,6 @@ plain functions, so FastAPI runs the blocking database work in its thread pool, 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Annotated
@@ -19,7 +18,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from sqlalchemy import Engine
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gateway.auth import ApiKey, authenticate
+from gateway.auth import authenticate
 from gateway.schemas import RequestError
 from services import protocol as p
 from services.accounting import reports
@@ -52,19 +51,13 @@ class Caller:
         return self.tenant
 
 
-async def is_admin(redis: aioredis.Redis, key: ApiKey) -> bool:
-    """From the key's raw record: `ApiKey` has no admin field yet. Only a JSON `true` counts."""
-    record = await redis.hget(p.API_KEYS_KEY, key.hash)
-    return bool(record) and json.loads(record).get("admin") is True
-
-
 async def caller(request: Request) -> Caller:
     finance: Finance = request.app.state.finance
     key = await authenticate(finance.redis, request.headers.get("authorization"))
     if key is None:
         raise RequestError(p.ErrorBody(message="Incorrect or missing API key; pass it as 'Authorization: Bearer KEY'",
                                        code="invalid_api_key", status=401))
-    return Caller(key.name, await is_admin(finance.redis, key))
+    return Caller(key.name, key.admin)
 
 
 CallerDep = Annotated[Caller, Depends(caller)]

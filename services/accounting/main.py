@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import socket
 
 import uvicorn
 
+from gateway import budgets
 from services.accounting import db
 from services.accounting.api import create_finance_app
 from services.accounting.consumer import LedgerConsumer
@@ -24,7 +26,8 @@ async def serve(settings: AccountingSettings, redis_url: str) -> None:
     await asyncio.to_thread(db.migrate, engine)
     redis = connect(redis_url)
     consumer = LedgerConsumer(redis, engine, PriceTable.load(settings.prices_path), SlaPolicy.load(settings.sla_path),
-                              f"{socket.gethostname()}-{os.getpid()}", StreamSettings())
+                              f"{socket.gethostname()}-{os.getpid()}", StreamSettings(),
+                              settle=functools.partial(budgets.settle, redis))
     api = uvicorn.Server(uvicorn.Config(create_finance_app(engine, redis), host=settings.host, port=settings.port,
                                         log_level="warning", access_log=False))
     serving = asyncio.create_task(api.serve())

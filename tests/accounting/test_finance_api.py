@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import csv
 import io
-import json
 import uuid
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
@@ -15,7 +14,7 @@ from decimal import Decimal
 import pytest
 from fastapi.testclient import TestClient
 
-from gateway.auth import hash_key, register_key
+from gateway.auth import register_key
 from services import protocol as p
 from services.accounting import ledger, reports
 from services.accounting.api import create_finance_app
@@ -29,14 +28,11 @@ DAY = {"start": "2025-03-01T00:00:00Z", "end": "2025-03-02T00:00:00Z"}
 
 
 async def _register_keys(url: str) -> dict[str, str]:
-    """Tenant keys for acme and globex, and an admin key (ops) whose record carries `"admin": true`."""
+    """Tenant keys for acme and globex, and an admin key (ops)."""
     redis = connect(url)
     try:
-        keys = {name: await register_key(redis, name) for name in ("acme", "globex", "ops")}
-        digest = hash_key(keys["ops"])
-        record = json.loads(await redis.hget(p.API_KEYS_KEY, digest))
-        await redis.hset(p.API_KEYS_KEY, digest, json.dumps(record | {"admin": True}))
-        return keys
+        keys = {name: await register_key(redis, name) for name in ("acme", "globex")}
+        return keys | {"ops": await register_key(redis, "ops", admin=True)}
     finally:
         await redis.aclose()
 
