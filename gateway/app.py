@@ -24,6 +24,7 @@ from gateway.relay import Relay
 from gateway.schemas import CACHE_HEADER, ChatCompletionRequest, CompletionRequest, RequestError, cache_mode, parse
 from services import protocol as p
 from services.accounting.prices import PriceTable
+from services.accounting.sla import SlaPolicy
 from services.settings import GatewaySettings, RouterSettings, StreamSettings
 
 
@@ -75,8 +76,9 @@ class Gateway:
 
     def __init__(self, redis: aioredis.Redis, settings: GatewaySettings, tiers: RouterSettings,
                  stream_settings: StreamSettings, default_cache_mode: p.CacheMode = "off",
-                 prices: PriceTable | None = None):
+                 prices: PriceTable | None = None, sla: SlaPolicy | None = None):
         self.redis, self.settings, self.default_cache_mode = redis, settings, default_cache_mode
+        self.sla = sla or SlaPolicy.load()
         self.idempotency = Idempotency(redis, settings.idempotency_ttl_s)
         self.relay = Relay(redis, Admission(redis, settings, tiers), self.idempotency, settings, stream_settings)
         prices = prices or PriceTable.load(settings.prices_path)
@@ -107,6 +109,7 @@ class Gateway:
         message.traceparent = _traceparent(request.headers.get("traceparent"))
         message.cache_mode = cache_mode(req.cache, request.headers.get(CACHE_HEADER), api_key.cache_mode,
                                         self.default_cache_mode)
+        message.sla_class = self._sla_class(req.sla, api_key)
         record = None
         if key := request.headers.get("idempotency-key"):
             first = await self.idempotency.claim(api_key.hash, key, message)
@@ -137,6 +140,12 @@ class Gateway:
             with contextlib.suppress(aioredis.RedisError):  # Redis may be down: the sweep returns it later
                 await self.budgets.release(message.request_id)
             raise
+
+    def _sla_class(self, asked: str | None, api_key: ApiKey) -> str | None:
+        if asked is not None and asked not in self.sla.classes:
+            raise RequestError(p.ErrorBody(message=f"unknown SLA class {asked!r}; one of: "
+                                                   f"{', '.join(sorted(self.sla.classes))}", param="sla"))
+        return asked or api_key.sla_class
 
     async def chat_completions(self, request: Request) -> Response:
         return await self.generate(request, ChatCompletionRequest)
@@ -181,9 +190,10 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
 
 def create_app(redis: aioredis.Redis, settings: GatewaySettings, tiers: RouterSettings,
                stream_settings: StreamSettings, default_cache_mode: p.CacheMode = "off",
-               prices: PriceTable | None = None) -> FastAPI:
-    """`prices`: the table budgets are estimated with; None loads `settings.prices_path` (else the default)."""
-    gateway = Gateway(redis, settings, tiers, stream_settings, default_cache_mode, prices)
+               prices: PriceTable | None = None, sla: SlaPolicy | None = None) -> FastAPI:
+    """`prices`: the table budgets are estimated with; None loads `settings.prices_path` (else the default).
+    `sla`: the SLA classes requests may name; None: the default ones."""
+    gateway = Gateway(redis, settings, tiers, stream_settings, default_cache_mode, prices, sla)
     app = FastAPI(title="tokenfleet gateway", on_startup=[gateway.register_dev_key])
     app.add_middleware(RequestStamp, metrics=gateway.metrics)
     app.add_exception_handler(RequestError, _request_error)

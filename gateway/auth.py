@@ -33,6 +33,7 @@ class ApiKey:
     budget_usd: float | None = None  # list price (the price table) per `budget_period`
     budget_period: BudgetPeriod = "month"
     admin: bool = False  # the finance API shows an admin every tenant's rows (a tenant's key: its own)
+    sla_class: str | None = None  # for its requests that name none (the ledger judges each task by its class)
 
     @property
     def limited(self) -> bool:
@@ -43,7 +44,7 @@ class ApiKey:
 async def register_key(redis: aioredis.Redis, name: str, key: str | None = None,
                        cache_mode: p.CacheMode | None = None, *, rpm: int | None = None, tpm: int | None = None,
                        budget_usd: float | None = None, budget_period: BudgetPeriod = "month",
-                       admin: bool = False) -> str:
+                       admin: bool = False, sla_class: str | None = None) -> str:
     """Stores the hash of `key` (a new random key when None) under `name`, with its limits; returns the key."""
     if budget_period not in get_args(BudgetPeriod):
         raise ValueError(f"budget_period must be one of {', '.join(get_args(BudgetPeriod))}")
@@ -53,7 +54,8 @@ async def register_key(redis: aioredis.Redis, name: str, key: str | None = None,
     limits = {"rpm": rpm, "tpm": tpm, "budget_usd": budget_usd}
     record = {"name": name, "created": int(time.time())} | ({"cache": cache_mode} if cache_mode else {}) \
         | {field: value for field, value in limits.items() if value is not None} \
-        | ({"budget_period": budget_period} if budget_usd is not None else {}) | ({"admin": True} if admin else {})
+        | ({"budget_period": budget_period} if budget_usd is not None else {}) | ({"admin": True} if admin else {}) \
+        | ({"sla_class": sla_class} if sla_class else {})
     await redis.hset(p.API_KEYS_KEY, hash_key(key), json.dumps(record))
     return key
 
@@ -68,4 +70,5 @@ async def authenticate(redis: aioredis.Redis, authorization: str | None) -> ApiK
         return None
     fields = json.loads(record)
     return ApiKey(digest, fields["name"], fields.get("cache"), fields.get("rpm"), fields.get("tpm"),
-                  fields.get("budget_usd"), fields.get("budget_period", "month"), fields.get("admin") is True)
+                  fields.get("budget_usd"), fields.get("budget_period", "month"), fields.get("admin") is True,
+                  fields.get("sla_class"))

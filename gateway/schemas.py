@@ -61,6 +61,7 @@ class _Common(BaseModel):
     cache_salt: str | None = Field(default=None, min_length=1)
     # tokenfleet's: the response caches for this request (else the API key's, else the deployment's default)
     cache: p.CacheMode | None = None
+    sla: str | None = Field(default=None, min_length=1, max_length=32)  # an SLA class; else the API key's
 
     @field_validator("stop")
     @classmethod

@@ -120,7 +120,7 @@ def _keys_create(args: argparse.Namespace) -> int:
         try:
             return await register_key(redis, args.name, cache_mode=args.cache, rpm=args.rpm, tpm=args.tpm,
                                       budget_usd=args.budget_usd, budget_period=args.budget_period,
-                                      admin=args.admin)
+                                      admin=args.admin, sla_class=args.sla)
         finally:
             await redis.aclose()
 
@@ -173,6 +173,7 @@ def _add_service_commands(sub) -> None:
                         help="list-price spending per --budget-period, never exceeded (default: unlimited)")
     create.add_argument("--budget-period", choices=["day", "month", "total"], default="month",
                         help="the budget's period: a UTC day or month, or the key's lifetime")
+    create.add_argument("--sla", default=None, help="SLA class of its requests that name none (e.g. batch)")
     create.add_argument("--admin", action="store_true",
                         help="the finance API shows this key every tenant's ledger (others: their own)")
     create.set_defaults(func=_keys_create)

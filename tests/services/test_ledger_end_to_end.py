@@ -45,3 +45,17 @@ def test_a_prompt_the_worker_rejects_is_recorded_as_an_error(stack):
         stack.client().completions.create(model=MODEL, prompt="x " * 5000, max_tokens=4)
     row = stack.ledger_row("cmpl-" + err.value.response.headers["x-request-id"])
     assert (row.status, row.sla_met, row.completion_tokens) == ("error", False, 0)
+
+
+def test_the_sla_class_a_request_names_is_the_one_its_row_is_judged_by(stack):
+    response = stack.client().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "No hurry."}], max_tokens=3, extra_body={"sla": "batch"})
+    row = stack.ledger_row(response.id)
+    assert (row.sla_class, row.sla_met) == ("batch", True)
+
+
+def test_an_unknown_sla_class_is_a_400_naming_the_field(stack):
+    with pytest.raises(openai.BadRequestError) as err:
+        stack.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                               max_tokens=2, extra_body={"sla": "platinum"})
+    assert err.value.body["param"] == "sla" and "batch" in err.value.body["message"]
