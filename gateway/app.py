@@ -6,13 +6,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import secrets
 import time
 import uuid
 
 import redis.asyncio as aioredis
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from opentelemetry.trace import SpanKind
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -23,13 +23,10 @@ from gateway.idempotency import Idempotency
 from gateway.relay import Relay
 from gateway.schemas import CACHE_HEADER, ChatCompletionRequest, CompletionRequest, RequestError, cache_mode, parse
 from services import protocol as p
+from services import telemetry
 from services.accounting.prices import PriceTable
 from services.accounting.sla import SlaPolicy
 from services.settings import GatewaySettings, RouterSettings, StreamSettings
-
-
-def _traceparent(header: str | None) -> str:
-    return header or f"00-{secrets.token_hex(16)}-{secrets.token_hex(8)}-01"
 
 
 def _error_response(error: p.ErrorBody, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -106,10 +103,22 @@ class Gateway:
         req = parse(schema, body)
         message = req.to_message(request.state.request_id, api_key.name)
         message.api_key_id = api_key.hash  # the ledger's key, and where a budget's settle charges
-        message.traceparent = _traceparent(request.headers.get("traceparent"))
         message.cache_mode = cache_mode(req.cache, request.headers.get(CACHE_HEADER), api_key.cache_mode,
                                         self.default_cache_mode)
         message.sla_class = self._sla_class(req.sla, api_key)
+        operation = "chat" if message.kind == "chat" else "text_completion"
+        attributes = {"gen_ai.operation.name": operation, "gen_ai.request.model": message.model,
+                      "gen_ai.request.temperature": message.sampling.temperature,
+                      "gen_ai.request.top_p": message.sampling.top_p, "tokenfleet.request_id": message.request_id,
+                      **({"gen_ai.request.max_tokens": message.sampling.max_tokens}
+                         if message.sampling.max_tokens is not None else {})}
+        # The gateway's span covers admission to the response's start; the hops after it are its children.
+        with telemetry.hop(f"{operation} {message.model}", request.headers.get("traceparent"), SpanKind.SERVER,
+                           attributes) as span:
+            message.traceparent = telemetry.traceparent(span)
+            return await self._admit_and_relay(request, req, message, api_key)
+
+    async def _admit_and_relay(self, request: Request, req, message: p.GenerateRequest, api_key: ApiKey) -> Response:
         record = None
         if key := request.headers.get("idempotency-key"):
             first = await self.idempotency.claim(api_key.hash, key, message)

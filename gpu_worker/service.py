@@ -17,6 +17,7 @@ import time
 from collections import defaultdict
 
 import redis.asyncio as aioredis
+from opentelemetry import trace
 from redis.exceptions import ResponseError
 
 from cache.prefix_directory import PrefixDirectory
@@ -26,7 +27,7 @@ from gpu_worker.metrics import WorkerMetrics
 from gpu_worker.orphan_inboxes import OrphanInboxes
 from gpu_worker.request_codec import ReplyHistory, logprob_entries, prompt_ids, sampling_params
 from services import protocol as p
-from services import streams
+from services import streams, telemetry
 from services.settings import StreamSettings, WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -152,7 +153,11 @@ class Worker:
             if history.closed:
                 await self.redis.xack(delivery.stream, p.WORKER_GROUP, delivery.entry_id)
                 return
-            await self._generate(delivery, request, history)
+            attributes = {"gen_ai.request.model": self.info.name, "tokenfleet.worker": self.worker_id,
+                          "tokenfleet.request_id": rid}
+            with telemetry.hop(f"generate {self.info.name}", request.traceparent, attributes=attributes) as span:
+                request.traceparent = telemetry.traceparent(span)  # the completion event is this span's child
+                await self._generate(delivery, request, history)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # one request's failure is its own: reported, acknowledged, never retried
@@ -189,6 +194,7 @@ class Worker:
         usage = p.Usage(prompt_tokens=len(ids), completion_tokens=sum(positions.values()),
                         cached_tokens=last.num_cached_tokens if last else 0)
         timing = clock.timing(usage.completion_tokens, last.engine_seconds if last else 0.0)
+        clock.trace(request, usage)
         finished = p.ReplyChunk(kind="finished", worker_id=self.worker_id, model=self.info.name, usage=usage,
                                 timing=timing, cache=_cache_result(request))
         event = p.CompletionEvent(request_id=rid, model=self.info.name, worker_id=self.worker_id,
@@ -336,6 +342,19 @@ class _Clock:
 
     def token(self) -> None:
         self.first_token_at = self.first_token_at or time.time()
+
+    def trace(self, request: p.GenerateRequest, usage: p.Usage) -> None:
+        """Queue wait (routed -> taken by this worker), prefill (-> first token) and decode (-> now) as spans of
+        the worker's hop, and the GenAI usage attributes on it."""
+        now, hop = time.time(), trace.get_current_span()
+        routed = request.routing.decided_at if request.routing else self.enqueued_at
+        first = self.first_token_at or now
+        telemetry.record("queue worker", hop, routed, self.admitted_at)
+        telemetry.record("prefill", hop, self.admitted_at, first, {"gen_ai.usage.input_tokens": usage.prompt_tokens})
+        telemetry.record("decode", hop, first, now, {"gen_ai.usage.output_tokens": usage.completion_tokens})
+        hop.set_attributes({"gen_ai.usage.input_tokens": usage.prompt_tokens,
+                            "gen_ai.usage.output_tokens": usage.completion_tokens,
+                            "tokenfleet.cached_tokens": usage.cached_tokens})
 
     def timing(self, completion_tokens: int, engine_step_s: float) -> p.Timing:
         now = time.time()

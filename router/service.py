@@ -21,7 +21,7 @@ from router.prompt_encoder import PromptEncoder
 from router.sent_prefixes import SentPrefixes
 from router.worker_choice import RoundRobinChooser, WorkerChooser
 from services import protocol as p
-from services import streams
+from services import streams, telemetry
 from services.settings import StreamSettings
 
 log = logging.getLogger(__name__)
@@ -82,15 +82,27 @@ class Router:
             log.error("dropping malformed request entry %s", delivery.entry_id)
             await self.redis.xack(p.REQUESTS_STREAM, p.ROUTER_GROUP, delivery.entry_id)
             return
+        # The queue wait before this hop, then the hop; the next hop (worker or cache answer) is its child.
+        telemetry.record("queue router", request.traceparent, request.enqueued_at, time.time())
+        with telemetry.hop("route", request.traceparent) as span:
+            await self._route(delivery, request, span)
+
+    async def _route(self, delivery: streams.Delivery, request: p.GenerateRequest, span) -> None:
         models = await self._models()
         model, reason = await self.tiers.choose(request, models, self.encoder, await self._alive(request))
         request.routing = p.RoutingDecision(model=model, reason=reason, decided_at=time.time())
         cached = await self._cache_lookup(request, model)
         request.routing.cache, request.cache_fill = cached.result, cached.fill
+        request.traceparent = telemetry.traceparent(span)
         if cached.completion is not None:
+            span.set_attributes({"gen_ai.request.model": model, "tokenfleet.cache": cached.result})
             await answer_from_cache(self.redis, delivery.entry_id, request, cached, self.streams)
             return
         target, registry = await self._place(request, models.get(model))
+        decision = request.routing
+        span.set_attributes({"gen_ai.request.model": model, "tokenfleet.route.reason": decision.reason,
+                             "tokenfleet.route.worker": decision.worker or "", "tokenfleet.cache": decision.cache or "",
+                             "tokenfleet.route.prefix_tokens": decision.prefix_tokens})
         await streams.forward(self.redis, p.REQUESTS_STREAM, p.ROUTER_GROUP, delivery.entry_id, target, request,
                               self.streams, registry)
 

@@ -59,11 +59,14 @@ def _redis_url() -> str:
     return url
 
 
-def _run_service(serve, settings) -> int:
+def _run_service(name: str, serve, settings) -> int:
     import asyncio
     import logging
 
+    from services import telemetry
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    telemetry.configure(name)
     try:  # uvloop where installed: every hop of a request wakes an event loop
         from uvloop import run
     except ImportError:
@@ -77,21 +80,21 @@ def _gateway(args: argparse.Namespace) -> int:
     from services.settings import GatewaySettings
 
     overrides = {k: v for k, v in {"host": args.host, "port": args.port}.items() if v is not None}
-    return _run_service(serve, GatewaySettings(**overrides))
+    return _run_service("gateway", serve, GatewaySettings(**overrides))
 
 
 def _router(args: argparse.Namespace) -> int:
     from router.main import serve
     from services.settings import RouterSettings
 
-    return _run_service(serve, RouterSettings())
+    return _run_service("router", serve, RouterSettings())
 
 
 def _accounting(args: argparse.Namespace) -> int:
     from services.accounting.main import serve
     from services.settings import AccountingSettings
 
-    return _run_service(serve, AccountingSettings())
+    return _run_service("accounting", serve, AccountingSettings())
 
 
 def _worker(args: argparse.Namespace) -> int:
@@ -100,7 +103,7 @@ def _worker(args: argparse.Namespace) -> int:
 
     flags = {"model": args.model, "served_model_name": args.served_model_name, "device": args.device,
              "dtype": args.dtype, "tier": args.tier, "metrics_port": args.metrics_port}
-    return _run_service(serve, WorkerSettings(**{k: v for k, v in flags.items() if v is not None}))
+    return _run_service("worker", serve, WorkerSettings(**{k: v for k, v in flags.items() if v is not None}))
 
 
 def _up(args: argparse.Namespace) -> int:

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 
 import redis.asyncio as aioredis
 from sqlalchemy import Engine
 
 from services import protocol as p
-from services import streams
+from services import streams, telemetry
 from services.accounting import ledger
 from services.accounting.prices import PriceTable
 from services.accounting.sla import SlaPolicy
@@ -60,13 +61,23 @@ class LedgerConsumer:
     async def write(self, deliveries: list[streams.Delivery]) -> None:
         if not deliveries:
             return
-        rows = []
+        events, rows = [], []
         for delivery in deliveries:
             try:
-                rows.append(ledger.row(p.decode(p.CompletionEvent, delivery.fields), self.prices, self.sla))
+                event = p.decode(p.CompletionEvent, delivery.fields)
+                rows.append(ledger.row(event, self.prices, self.sla))
+                events.append(event)
             except ValueError:  # not an event of ours: acknowledged below with the rest, logged, never retried
                 log.error("dropping malformed completion event %s", delivery.entry_id)
+        started = time.time()
         new = await asyncio.to_thread(ledger.record, self.engine, rows)
+        for event, recorded in zip(events, rows, strict=True):  # the trace's last hop: the task's row committed
+            telemetry.record("ledger.record", event.traceparent, started, time.time(), {
+                "gen_ai.request.model": event.model, "gen_ai.usage.input_tokens": event.usage.prompt_tokens,
+                "gen_ai.usage.output_tokens": event.usage.completion_tokens,
+                "tokenfleet.cost.list_usd": float(recorded["list_cost_usd"]),
+                "tokenfleet.cost.measured_usd": float(recorded["measured_cost_usd"]),
+                "tokenfleet.sla_met": recorded["sla_met"]})
         for recorded in rows:  # every one, not only the new: a replay after a crash settles what the crash missed
             await self.settle(recorded["request_id"], float(recorded["list_cost_usd"]))
         await self.redis.xack(p.EVENTS_STREAM, ACCOUNTING_GROUP, *(d.entry_id for d in deliveries))

@@ -10,6 +10,7 @@ import sys
 import time
 import urllib.request
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import openai
 import pytest
@@ -59,6 +60,7 @@ class Stack:
     small_queue_url: str  # a second gateway whose queue depth is 2
     env: dict[str, str]
     database_url: str  # the ledger's (the accounting service writes it)
+    trace_file: Path  # every service's spans, one JSON document per line
     workers: list[subprocess.Popen] = field(default_factory=list)
     others: list[subprocess.Popen] = field(default_factory=list)
 
@@ -122,13 +124,14 @@ class Stack:
 
 
 @pytest.fixture(scope="session")
-def stack(redis_url, new_database):
+def stack(redis_url, new_database, tmp_path_factory):
     sync_redis.Redis.from_url(redis_url).flushdb()
-    database_url = new_database()
+    database_url, trace_file = new_database(), tmp_path_factory.mktemp("traces") / "spans.jsonl"
     env = {**os.environ, **STACK_ENV, "REDIS_URL": redis_url, "DATABASE_URL": database_url,
-           "TOKENFLEET_ACCOUNTING_PORT": str(_free_port())}
+           "TOKENFLEET_ACCOUNTING_PORT": str(_free_port()), "TOKENFLEET_TRACE_FILE": str(trace_file)}
     port, small_port = _free_port(), _free_port()
-    stack = Stack(redis_url, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{small_port}", env, database_url)
+    stack = Stack(redis_url, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{small_port}", env, database_url,
+                  trace_file)
     cli = [sys.executable, "-m", "services.cli"]
     stack.others = [
         subprocess.Popen(cli + ["gateway", "--port", str(port)], env=env),
