@@ -3,7 +3,7 @@ PY ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup up test bench
+.PHONY: setup up test bench browser
 setup: $(VENV)/.installed
 
 # torch first, pinned: on this CPU-only machine it resolves to the local CPU wheel, elsewhere to the usual one.
@@ -18,9 +18,16 @@ up: setup
 	$(BIN)/tokenfleet up
 
 # pytest exits 5 when it collects no test; that is not a failure of the suite.
-test: setup
+test: setup browser
 	$(BIN)/ruff check .
 	$(BIN)/pytest; rc=$$?; if [ $$rc -eq 5 ]; then exit 0; else exit $$rc; fi
 
 bench: setup
 	$(BIN)/tokenfleet bench engine --json bench/engine.json
+
+# Debian's Chromium for the dashboard's browser tests (~20 s once, as root); without it those tests skip.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+	  { apt-get install -y -q chromium >/dev/null 2>&1 || { apt-get update -q >/dev/null && \
+	    apt-get install -y -q chromium >/dev/null; }; }; } || \
+	  echo "no chromium (not root, or no apt-get): the dashboard's browser tests will skip"

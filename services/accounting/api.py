@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from gateway.auth import authenticate
 from gateway.schemas import RequestError
 from services import protocol as p
-from services.accounting import reports
+from services.accounting import dashboard, reports
 
 DEFAULT_REPORT_WINDOW = timedelta(days=1)  # a report without start or end covers the day up to now
 MAX_PAGE = 1000
@@ -148,4 +148,5 @@ def create_finance_app(engine: Engine, redis: aioredis.Redis) -> FastAPI:
     app.add_api_route("/v1/ledger", ledger, methods=["GET"])
     app.add_api_route("/v1/reports/cost", cost_report, methods=["GET"])
     app.add_api_route("/v1/reports/goodput", goodput_report, methods=["GET"])
+    dashboard.mount(app)
     return app
