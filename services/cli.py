@@ -97,6 +97,13 @@ def _accounting(args: argparse.Namespace) -> int:
     return _run_service("accounting", serve, AccountingSettings())
 
 
+def _celery(args: argparse.Namespace) -> int:
+    from services.accounting.tasks import run_worker
+    from services.settings import AccountingSettings
+
+    return run_worker(AccountingSettings(), _redis_url())
+
+
 def _worker(args: argparse.Namespace) -> int:
     from gpu_worker.main import serve
     from services.settings import WorkerSettings
@@ -153,6 +160,8 @@ def _add_service_commands(sub) -> None:
 
     sub.add_parser("accounting", help="the ledger: completion events -> cost and SLA rows (DATABASE_URL or SQLite)"
                    ).set_defaults(func=_accounting)
+    sub.add_parser("celery", help="the ledger's background jobs (rollups, retention) with their schedule (beat)"
+                   ).set_defaults(func=_celery)
 
     worker = sub.add_parser("worker", help="a GPU worker serving one model")
     worker.add_argument("--model", default=None, help="built-in name or HF model directory")

@@ -85,6 +85,12 @@ class AccountingSettings(BaseSettings):
     # The finance API (ledger rows, cost and goodput reports), served next to the ledger consumer.
     host: str = "127.0.0.1"
     port: int = 8001
+    # Background jobs (services/accounting/tasks.py, a Celery worker on REDIS_URL): rollups of the ledger per
+    # hour and day, re-rolled every `rollup_interval_s` over the last `rollup_lookback_hours` so late events
+    # count, and raw rows kept `retention_days` (only whole days whose rollups exist are ever deleted).
+    rollup_interval_s: float = 300.0
+    rollup_lookback_hours: int = 6
+    retention_days: int = 90  # 0: keep raw rows forever
 
     def ledger_url(self) -> str:
         if self.database_url:

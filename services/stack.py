@@ -62,7 +62,8 @@ class LocalStack:
 
 def start(host: str, port: int, workers: list[tuple[str, str]], env: dict[str, str] | None = None,
           worker_env: dict[str, str] | None = None) -> LocalStack:
-    """Gateway, router, accounting and a worker process per (model, tier), on REDIS_URL or an embedded Redis.
+    """Gateway, router, accounting, its Celery worker and a worker process per (model, tier), on REDIS_URL or an
+    embedded Redis.
     `env` goes to every process, `worker_env` to the workers on top of it."""
     redis_url = RedisSettings().redis_url
     embedded = None if redis_url else EmbeddedRedis()
@@ -71,7 +72,8 @@ def start(host: str, port: int, workers: list[tuple[str, str]], env: dict[str, s
     env = {"TOKENFLEET_ACCOUNTING_PORT": str(port + 1), **os.environ, **(env or {}), "REDIS_URL": redis_url,
            "TOKENFLEET_GATEWAY_DEV_KEY": key}
     cli = [sys.executable, "-m", "services.cli"]
-    commands = [cli + ["gateway", "--host", host, "--port", str(port)], cli + ["router"], cli + ["accounting"]]
+    commands = [cli + ["gateway", "--host", host, "--port", str(port)], cli + ["router"], cli + ["accounting"],
+                cli + ["celery"]]
     commands += [cli + ["worker", "--model", model, "--tier", tier] for model, tier in workers]
     # CPU workers share the machine: split its cores between them instead of oversubscribing (each torch
     # thread pool spin-waits, and two pools on the same cores slow both and the gateway with them).

@@ -6,7 +6,7 @@ from __future__ import annotations
 from datetime import datetime
 from decimal import Decimal
 
-from sqlalchemy import BigInteger, Boolean, DateTime, Float, Index, Integer, Numeric, String
+from sqlalchemy import BigInteger, Boolean, DateTime, Float, Index, Integer, Numeric, String, false
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 # USD with 12 decimals: a single cached token of a small model costs ~1e-9 USD.
@@ -51,3 +51,39 @@ class LedgerRow(Base):
         Index("ix_ledger_model_finished", "model", "finished_at"),
         Index("ix_ledger_finished", "finished_at"),
     )
+
+
+class LedgerRollup(Base):
+    """The ledger summed per hour or day (UTC), tenant and model: what reports over long windows read, and what
+    remains once retention has pruned the raw rows. Written only by `services.accounting.rollups`."""
+
+    __tablename__ = "ledger_rollups"
+
+    period: Mapped[str] = mapped_column(String(8), primary_key=True)  # hour / day
+    bucket_start: Mapped[datetime] = mapped_column(DateTime(timezone=True), primary_key=True)
+    tenant: Mapped[str] = mapped_column(String(128), primary_key=True)
+    model: Mapped[str] = mapped_column(String(128), primary_key=True)
+    tasks: Mapped[int] = mapped_column(Integer)
+    ok_tasks: Mapped[int] = mapped_column(Integer)
+    # A day of one busy tenant can pass 2^31 tokens
+    prompt_tokens: Mapped[int] = mapped_column(BigInteger)
+    cached_tokens: Mapped[int] = mapped_column(BigInteger)
+    completion_tokens: Mapped[int] = mapped_column(BigInteger)
+    list_cost_usd: Mapped[Decimal] = mapped_column(Money)
+    measured_cost_usd: Mapped[Decimal] = mapped_column(Money)
+    sla_met: Mapped[int] = mapped_column(Integer)
+    attainment: Mapped[float] = mapped_column(Float)  # sla_met / tasks
+    goodput: Mapped[float] = mapped_column(Float)  # sla_met per second of the bucket
+    # Latency percentiles of the ok tasks; None when the bucket has none
+    ttft_p50_s: Mapped[float | None] = mapped_column(Float)
+    ttft_p95_s: Mapped[float | None] = mapped_column(Float)
+    ttft_p99_s: Mapped[float | None] = mapped_column(Float)
+    tpot_p50_s: Mapped[float | None] = mapped_column(Float)
+    tpot_p95_s: Mapped[float | None] = mapped_column(Float)
+    tpot_p99_s: Mapped[float | None] = mapped_column(Float)
+    # Set once retention deleted the raw rows behind these figures: a re-roll (which would see none of them)
+    # must then leave the figures alone.
+    raw_pruned: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    rolled_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+    __table_args__ = (Index("ix_ledger_rollups_tenant", "period", "tenant", "bucket_start"),)
