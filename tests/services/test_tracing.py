@@ -14,12 +14,13 @@ from tests.services.conftest import MODEL
 pytestmark = pytest.mark.usefixtures("stack")
 
 
-def _spans(stack, trace_id: str, expected: int, timeout_s: float = 10) -> list[dict]:
+def _spans(stack, trace_id: str, last: str = "ledger.record", timeout_s: float = 10) -> list[dict]:
+    """The trace's spans once its last hop's span is written (frameworks may add spans of their own)."""
     deadline = time.monotonic() + timeout_s
     while True:
         spans = [span for line in stack.trace_file.read_text().splitlines()
                  if (span := json.loads(line))["context"]["trace_id"] == "0x" + trace_id]
-        if len(spans) >= expected or time.monotonic() > deadline:
+        if any(span["name"] == last for span in spans) or time.monotonic() > deadline:
             return spans
         time.sleep(0.2)
 
@@ -29,7 +30,7 @@ def test_one_trace_spans_every_hop_from_the_clients_traceparent(stack):
     response = stack.client().chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Trace me."}], max_tokens=3,
         extra_headers={"traceparent": f"00-{trace_id}-{client_span}-01"})
-    spans = _spans(stack, trace_id, expected=9)
+    spans = _spans(stack, trace_id)
     by_name = {span["name"]: span for span in spans}
     service = {span["name"]: span["resource"]["attributes"]["service.name"] for span in spans}
     assert service[f"chat {MODEL}"] == "tokenfleet-gateway" and service["route"] == "tokenfleet-router"
