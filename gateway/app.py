@@ -8,6 +8,7 @@ import contextlib
 import json
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 
 import redis.asyncio as aioredis
 from fastapi import FastAPI, Request
@@ -18,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway.admission import REFUSALS, Admission, alive_workers, served_models
 from gateway.auth import ApiKey, authenticate, register_key
+from gateway.batches import Batches
 from gateway.budgets import Budgets, Estimator
 from gateway.idempotency import Idempotency
 from gateway.relay import Relay
@@ -199,9 +201,11 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
 
 def create_app(redis: aioredis.Redis, settings: GatewaySettings, tiers: RouterSettings,
                stream_settings: StreamSettings, default_cache_mode: p.CacheMode = "off",
-               prices: PriceTable | None = None, sla: SlaPolicy | None = None) -> FastAPI:
+               prices: PriceTable | None = None, sla: SlaPolicy | None = None,
+               submit_batch: Callable[[str], Awaitable[None]] | None = None) -> FastAPI:
     """`prices`: the table budgets are estimated with; None loads `settings.prices_path` (else the default).
-    `sla`: the SLA classes requests may name; None: the default ones."""
+    `sla`: the SLA classes requests may name; None: the default ones. `submit_batch(batch_id)`: starts the job
+    that runs a new batch (gateway/batches.py `celery_submitter`); None: batches are recorded, never run."""
     gateway = Gateway(redis, settings, tiers, stream_settings, default_cache_mode, prices, sla)
     app = FastAPI(title="tokenfleet gateway", on_startup=[gateway.register_dev_key])
     app.add_middleware(RequestStamp, metrics=gateway.metrics)
@@ -210,6 +214,14 @@ def create_app(redis: aioredis.Redis, settings: GatewaySettings, tiers: RouterSe
     app.add_api_route("/v1/chat/completions", gateway.chat_completions, methods=["POST"])
     app.add_api_route("/v1/completions", gateway.completions, methods=["POST"])
     app.add_api_route("/v1/models", gateway.models, methods=["GET"])
+    batches = Batches(redis, gateway.authenticated, submit_batch)
+    app.add_api_route("/v1/files", batches.upload_file, methods=["POST"])
+    app.add_api_route("/v1/files/{file_id}", batches.get_file, methods=["GET"])
+    app.add_api_route("/v1/files/{file_id}/content", batches.file_content, methods=["GET"])
+    app.add_api_route("/v1/batches", batches.create_batch, methods=["POST"])
+    app.add_api_route("/v1/batches", batches.list_batches, methods=["GET"])
+    app.add_api_route("/v1/batches/{batch_id}", batches.get_batch, methods=["GET"])
+    app.add_api_route("/v1/batches/{batch_id}/cancel", batches.cancel_batch, methods=["POST"])
     app.add_api_route("/healthz", gateway.healthz, methods=["GET"])
     app.add_api_route("/readyz", gateway.readyz, methods=["GET"])
     app.add_api_route("/metrics", gateway.prometheus, methods=["GET"])

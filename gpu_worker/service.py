@@ -190,7 +190,7 @@ class Worker:
         resume = history.resume(params.n)
         last = None
         if resume != []:  # [] : every sample had finished before the last worker died
-            last = await self._relay(rid, ids, params, resume, request.cache_salt, positions, finish_reasons, clock)
+            last = await self._relay(rid, ids, params, resume, request, positions, finish_reasons, clock)
         usage = p.Usage(prompt_tokens=len(ids), completion_tokens=sum(positions.values()),
                         cached_tokens=last.num_cached_tokens if last else 0)
         timing = clock.timing(usage.completion_tokens, last.engine_seconds if last else 0.0)
@@ -220,14 +220,14 @@ class Worker:
         except Exception:
             log.exception("storing request %s in the response cache failed", request.request_id)
 
-    async def _relay(self, rid: str, ids: list[int], params, resume, cache_salt: str | None,
+    async def _relay(self, rid: str, ids: list[int], params, resume, request: p.GenerateRequest,
                      positions: dict[int, int], finish_reasons: dict[int, str | None],
                      clock: _Clock) -> RequestOutput | None:
         """Engine deltas to the reply stream, numbered by position per sample; returns the last output."""
         engine, out = self.engine.engine, None
         # aclosing: a cancel that lands while a chunk is being published must still abort the request.
-        async with contextlib.aclosing(self.engine.generate(rid, ids, params, resume=resume,
-                                                            cache_salt=cache_salt)) as outputs:
+        async with contextlib.aclosing(self.engine.generate(rid, ids, params, priority=request.priority,
+                                                            resume=resume, cache_salt=request.cache_salt)) as outputs:
             async for out in outputs:
                 clock.token()
                 chunks = []

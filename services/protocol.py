@@ -8,6 +8,7 @@ carries `v` (the schema version) and `traceparent` (W3C trace context) so one tr
     worker  --CompletionEvent--> EVENTS_STREAM --accounting
     worker  --DeadLetter-------> DEAD_LETTER_STREAM (after MAX_DELIVERIES)
     gateway --request_id-------> CANCEL_CHANNEL (pub/sub) + cancel_key(request_id)  --worker aborts
+    gateway --batch id---------> Celery's batch queue --batch job--> REQUESTS_STREAM (as the gateway enqueues)
 """
 
 from __future__ import annotations
@@ -76,6 +77,39 @@ def cancel_key(request_id: str) -> str:
 
 def idempotency_key(api_key_hash: str, key: str) -> str:
     return f"{PREFIX}:idempotency:{api_key_hash}:{key}"
+
+
+# The Batch API (gateway/batches.py, services/accounting/batch_jobs.py). Every key below expires BATCH_TTL_S after
+# its last write: files and batches are kept a week, as OpenAI keeps a batch's output for its window and more.
+BATCH_TTL_S = 7 * 24 * 3600
+# The engine schedules lower values first (gpu_worker/engine/scheduler.py) and preempts the highest first, with
+# aging so a batch line never starves; interactive requests keep 0.
+BATCH_PRIORITY = 10
+
+
+def batch_file_key(file_id: str) -> str:
+    """Hash: an uploaded (or a batch's output) file: its metadata fields, its owner (`tenant`), `content`."""
+    return f"{PREFIX}:batch-file:{file_id}"
+
+
+def batch_key(batch_id: str) -> str:
+    """Hash: a batch record, each field a JSON value (so the job and a cancel write different fields)."""
+    return f"{PREFIX}:batch:{batch_id}"
+
+
+def batches_key(tenant: str) -> str:
+    """Sorted set: a tenant's batch ids by creation time (GET /v1/batches)."""
+    return f"{PREFIX}:batches:{tenant}"
+
+
+def batch_output_key(batch_id: str) -> str:
+    """Hash: custom_id -> its output line, for lines that succeeded; what a re-run job skips."""
+    return f"{PREFIX}:batch-output:{batch_id}"
+
+
+def batch_errors_key(batch_id: str) -> str:
+    """Hash: custom_id -> its error line, for lines that failed."""
+    return f"{PREFIX}:batch-errors:{batch_id}"
 
 
 class Message(BaseModel):
@@ -156,6 +190,7 @@ class GenerateRequest(Message):
     cache_salt: str | None = None  # prefix-cache hits only among requests with the same salt
     cache_mode: CacheMode = "off"  # the response caches: as the request or else its API key asks
     sla_class: str | None = None  # as the request or else its API key asks; None: the deployment's default
+    priority: int = 0  # the engine's: lower runs first; batch lines are BATCH_PRIORITY
     cache_fill: CacheFill | None = None
     created: int = Field(default_factory=lambda: int(time.time()))
     enqueued_at: float = Field(default_factory=time.time)

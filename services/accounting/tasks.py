@@ -28,7 +28,7 @@ from services.settings import AccountingSettings
 
 # The queue names, here only. A worker consumes them in this order (kombu's "priority" strategy, not round
 # robin), so pending rollups go before pending batch jobs; a job already running is not interrupted, so long
-# batch jobs (none yet) want a worker of their own: `-Q tokenfleet-batch`.
+# batch jobs (RUN_BATCH, the Batch API's) want a worker of their own: `-Q tokenfleet-batch`.
 QUEUE_ROLLUPS = "tokenfleet-rollups"  # the scheduled ledger jobs: short and frequent
 QUEUE_BATCH = "tokenfleet-batch"  # low priority: later batch jobs, and any task not routed elsewhere
 QUEUES = (QUEUE_ROLLUPS, QUEUE_BATCH)
@@ -36,6 +36,7 @@ KEY_PREFIX = "tokenfleet-celery:"
 
 ROLLUP_RECENT = "tokenfleet.accounting.rollup_recent"
 APPLY_RETENTION = "tokenfleet.accounting.apply_retention"
+RUN_BATCH = "tokenfleet.accounting.run_batch"  # sent by the gateway, by name (gateway/batches.py)
 RETENTION_AT = crontab(hour=3, minute=30)  # daily, at a quiet hour (UTC)
 
 
@@ -56,7 +57,8 @@ def celery_app(settings: AccountingSettings, redis_url: str, *, key_prefix: str 
         broker_connection_retry_on_startup=True,
         task_queues=[Queue(name) for name in QUEUES],
         task_default_queue=QUEUE_BATCH,
-        task_routes={ROLLUP_RECENT: {"queue": QUEUE_ROLLUPS}, APPLY_RETENTION: {"queue": QUEUE_ROLLUPS}},
+        task_routes={ROLLUP_RECENT: {"queue": QUEUE_ROLLUPS}, APPLY_RETENTION: {"queue": QUEUE_ROLLUPS},
+                     RUN_BATCH: {"queue": QUEUE_BATCH}},
         task_ignore_result=True,
         # Acknowledged when done, not when received: a job whose worker died is redelivered (after the
         # transport's visibility timeout, 1 h), which idempotent jobs allow.
@@ -97,6 +99,15 @@ def celery_app(settings: AccountingSettings, redis_url: str, *, key_prefix: str 
         if settings.retention_days <= 0:
             return 0
         return rollups.roll_up_and_prune(ledger(), datetime.now(UTC) - timedelta(days=settings.retention_days))
+
+    @app.task(name=RUN_BATCH, shared=False)
+    def run_batch(batch_id: str) -> dict:
+        """Runs a Batch API batch's lines through the stack; returns its request counts. Idempotent: a re-run
+        skips the lines already answered."""
+        # Imported here: the job needs the gateway's request schemas, which the ledger's jobs do not.
+        from services.accounting import batch_jobs
+
+        return batch_jobs.run_batch(redis_url, batch_id)
 
     return app
 

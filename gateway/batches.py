@@ -1,0 +1,284 @@
+"""OpenAI's Batch API: files (`/v1/files`, purpose "batch") and batches (`/v1/batches`), kept in Redis for
+`p.BATCH_TTL_S` and scoped to the API key's tenant (another tenant's ids answer 404, as unknown ones do).
+
+The gateway only validates and records; the lines run in a Celery job on the low-priority batch queue
+(services/accounting/batch_jobs.py), which writes the output and error files back here."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import redis.asyncio as aioredis
+from fastapi import Request
+from fastapi.responses import Response
+from starlette.datastructures import UploadFile
+
+from gateway.auth import ApiKey
+from gateway.schemas import ChatCompletionRequest, CompletionRequest, RequestError, parse
+from services import protocol as p
+
+ENDPOINTS = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest}
+COMPLETION_WINDOW_S = 24 * 3600
+MAX_FILE_BYTES = 100 << 20  # a file lives in one Redis value
+ACTIVE = ("validating", "in_progress")
+# A compare-and-set on a batch's status: the job and a cancel write the same record from two processes.
+_TRANSITION = """
+local current = redis.call('HGET', KEYS[1], 'status')
+for i = 2, tonumber(ARGV[1]) + 1 do
+  if current == ARGV[i] then
+    for j = tonumber(ARGV[1]) + 2, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[j], ARGV[j + 1]) end
+    return 1
+  end
+end
+return 0
+"""
+
+
+def _not_found(kind: str, object_id: str) -> RequestError:
+    return RequestError(p.ErrorBody(message=f"No {kind} found with id '{object_id}'", code="not_found", status=404))
+
+
+def _bad(message: str, param: str | None = None) -> RequestError:
+    return RequestError(p.ErrorBody(message=message, param=param))
+
+
+@dataclass(frozen=True)
+class BatchLine:
+    custom_id: str
+    url: str
+    body: dict
+
+    def request(self):
+        """The validated request, as the endpoint's handler parses it."""
+        return parse(ENDPOINTS[self.url], self.body)
+
+
+def _line(raw: str) -> BatchLine:
+    try:
+        obj = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise _bad(f"not valid JSON ({exc})") from None
+    if not isinstance(obj, dict):
+        raise _bad("not a JSON object")
+    if not isinstance(obj.get("custom_id"), str) or not obj["custom_id"]:
+        raise _bad("'custom_id' must be a non-empty string")
+    if obj.get("method") != "POST":
+        raise _bad("'method' must be \"POST\"")
+    if obj.get("url") not in ENDPOINTS:
+        raise _bad(f"'url' must be one of {', '.join(ENDPOINTS)}")
+    line = BatchLine(obj["custom_id"], obj["url"], obj.get("body"))
+    if line.request().stream:
+        raise _bad("'body.stream' cannot be true in a batch")
+    return line
+
+
+def read_lines(content: bytes) -> list[BatchLine]:
+    """Every line of a batch input file, validated; else a 400 naming the first bad line (1-based)."""
+    try:
+        text = content.decode()
+    except UnicodeDecodeError:
+        raise _bad("the file is not UTF-8 text", "file") from None
+    lines, seen = [], set()
+    for number, raw in enumerate(text.splitlines(), 1):
+        if not raw.strip():
+            continue
+        try:
+            line = _line(raw)
+            if line.custom_id in seen:
+                raise _bad(f"duplicate custom_id {line.custom_id!r}")
+        except RequestError as exc:
+            raise RequestError(p.ErrorBody(message=f"line {number}: {exc.error.message}", param=f"line {number}",
+                                           code="invalid_batch_line")) from None
+        seen.add(line.custom_id)
+        lines.append(line)
+    return lines
+
+
+async def store_file(redis: aioredis.Redis, tenant: str, content: bytes, filename: str, purpose: str,
+                     **extra: str) -> dict:
+    """Stores a file; returns its OpenAI file object."""
+    meta = {"id": f"file-{uuid.uuid4().hex}", "object": "file", "bytes": len(content), "created_at": int(time.time()),
+            "filename": filename, "purpose": purpose, "status": "processed", "status_details": None}
+    key = p.batch_file_key(meta["id"])
+    async with redis.pipeline(transaction=True) as pipe:
+        pipe.hset(key, mapping={"meta": json.dumps(meta), "tenant": tenant, "content": content, **extra})
+        pipe.expire(key, p.BATCH_TTL_S)
+        await pipe.execute()
+    return meta
+
+
+async def load_file(redis: aioredis.Redis, file_id: str, tenant: str | None = None) -> dict[str, Any] | None:
+    """The file's fields (`meta` decoded, `content` as bytes), or None when unknown or another tenant's."""
+    fields = await redis.hgetall(p.batch_file_key(file_id))
+    fields = {k.decode() if isinstance(k, bytes) else k: v for k, v in fields.items()}
+    if not fields or (tenant is not None and _text(fields["tenant"]) != tenant):
+        return None
+    content = fields["content"]
+    return {**{k: _text(v) for k, v in fields.items()}, "meta": json.loads(fields["meta"]),
+            "content": content if isinstance(content, bytes) else content.encode()}
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+async def load_batch(redis: aioredis.Redis, batch_id: str) -> dict[str, Any] | None:
+    fields = await redis.hgetall(p.batch_key(batch_id))
+    return {_text(k): json.loads(v) for k, v in fields.items()} or None
+
+
+async def transition(redis: aioredis.Redis, batch_id: str, allowed: tuple[str, ...], **fields: Any) -> bool:
+    """Writes `fields` (e.g. a new `status`) only while the batch's status is one of `allowed`."""
+    args = [len(allowed), *(json.dumps(s) for s in allowed)]
+    for name, value in fields.items():
+        args += [name, json.dumps(value)]
+    return bool(await redis.eval(_TRANSITION, 1, p.batch_key(batch_id), *args))
+
+
+async def request_counts(redis: aioredis.Redis, batch: dict) -> dict:
+    """Counted from the job's result hashes, so a job re-run after a crash never counts a line twice."""
+    async with redis.pipeline(transaction=False) as pipe:
+        pipe.hlen(p.batch_output_key(batch["id"]))
+        pipe.hlen(p.batch_errors_key(batch["id"]))
+        completed, failed = await pipe.execute()
+    return {"total": batch["request_counts"]["total"], "completed": completed, "failed": failed}
+
+
+class Batches:
+    """The handlers. `submit(batch_id)` hands a new batch to the job that runs it."""
+
+    PRIVATE = ("tenant", "key")  # record fields for the job, never shown
+
+    def __init__(self, redis: aioredis.Redis, authenticated: Callable[[Request], Awaitable[ApiKey]],
+                 submit: Callable[[str], Awaitable[None]] | None):
+        self.redis, self.authenticated, self.submit = redis, authenticated, submit
+
+    async def upload_file(self, request: Request) -> dict:
+        api_key = await self.authenticated(request)
+        async with request.form() as form:
+            upload, purpose = form.get("file"), form.get("purpose")
+            if purpose != "batch":
+                raise _bad("'purpose' must be \"batch\" (the only purpose this server stores)", "purpose")
+            if not isinstance(upload, UploadFile):
+                raise _bad("'file' must be an uploaded file", "file")
+            content, filename = await upload.read(MAX_FILE_BYTES + 1), upload.filename or "batch.jsonl"
+        if len(content) > MAX_FILE_BYTES:
+            raise _bad(f"the file is over {MAX_FILE_BYTES >> 20} MiB", "file")
+        lines = read_lines(content)
+        if not lines:
+            raise _bad("the file has no requests", "file")
+        endpoints = sorted({line.url for line in lines})
+        return await store_file(self.redis, api_key.name, content, filename, "batch", endpoints=json.dumps(endpoints),
+                                lines=str(len(lines)))
+
+    async def _file(self, request: Request, file_id: str) -> dict:
+        api_key = await self.authenticated(request)
+        found = await load_file(self.redis, file_id, api_key.name)
+        if found is None:
+            raise _not_found("file", file_id)
+        return found
+
+    async def get_file(self, request: Request, file_id: str) -> dict:
+        return (await self._file(request, file_id))["meta"]
+
+    async def file_content(self, request: Request, file_id: str) -> Response:
+        return Response((await self._file(request, file_id))["content"], media_type="application/jsonl")
+
+    async def create_batch(self, request: Request) -> dict:
+        api_key = await self.authenticated(request)
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise _bad(f"could not parse the JSON body: {exc}") from None
+        if not isinstance(body, dict):
+            raise _bad("the request body must be a JSON object")
+        if body.get("endpoint") not in ENDPOINTS:
+            raise _bad(f"'endpoint' must be one of {', '.join(ENDPOINTS)}", "endpoint")
+        if body.get("completion_window") != "24h":
+            raise _bad("'completion_window' must be \"24h\"", "completion_window")
+        file = await load_file(self.redis, str(body.get("input_file_id")), api_key.name)
+        if file is None or file["meta"]["purpose"] != "batch":
+            raise _bad(f"no batch input file with id '{body.get('input_file_id')}'", "input_file_id")
+        if json.loads(file["endpoints"]) != [body["endpoint"]]:
+            raise _bad(f"every line of the input file must have 'url' {body['endpoint']!r}", "endpoint")
+        now = int(time.time())
+        batch = {"id": f"batch_{uuid.uuid4().hex}", "object": "batch", "endpoint": body["endpoint"], "errors": None,
+                 "input_file_id": file["meta"]["id"], "completion_window": "24h", "status": "validating",
+                 "output_file_id": None, "error_file_id": None, "created_at": now, "in_progress_at": None,
+                 "expires_at": now + COMPLETION_WINDOW_S, "finalizing_at": None, "completed_at": None,
+                 "failed_at": None, "expired_at": None, "cancelling_at": None, "cancelled_at": None,
+                 "request_counts": {"total": int(file["lines"]), "completed": 0, "failed": 0},
+                 "metadata": body.get("metadata"), "tenant": api_key.name,
+                 "key": {"name": api_key.name, "hash": api_key.hash, "cache_mode": api_key.cache_mode}}
+        key, index = p.batch_key(batch["id"]), p.batches_key(api_key.name)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(key, mapping={name: json.dumps(value) for name, value in batch.items()})
+            pipe.expire(key, p.BATCH_TTL_S)
+            pipe.zadd(index, {batch["id"]: time.time()})
+            pipe.expire(index, p.BATCH_TTL_S)
+            await pipe.execute()
+        if self.submit is not None:
+            try:
+                await self.submit(batch["id"])
+            except Exception as exc:  # not queued (the broker is down): fail it rather than leave it waiting forever
+                await transition(self.redis, batch["id"], ("validating",), status="failed", failed_at=int(time.time()),
+                                 errors={"object": "list", "data": [{"code": "not_queued", "message": str(exc)}]})
+                raise RequestError(p.ErrorBody(message=f"could not queue the batch: {exc}", type="server_error",
+                                               code="not_queued", status=503)) from None
+        return self._public(batch)
+
+    def _public(self, batch: dict) -> dict:
+        return {k: v for k, v in batch.items() if k not in self.PRIVATE}
+
+    async def _batch(self, request: Request, batch_id: str) -> dict:
+        api_key = await self.authenticated(request)
+        batch = await load_batch(self.redis, batch_id)
+        if batch is None or batch["tenant"] != api_key.name:
+            raise _not_found("batch", batch_id)
+        return batch
+
+    async def _view(self, batch: dict) -> dict:
+        return self._public({**batch, "request_counts": await request_counts(self.redis, batch)})
+
+    async def get_batch(self, request: Request, batch_id: str) -> dict:
+        return await self._view(await self._batch(request, batch_id))
+
+    async def cancel_batch(self, request: Request, batch_id: str) -> dict:
+        """The job stops submitting lines once it sees `cancelling`, then finalizes the batch as cancelled."""
+        await self._batch(request, batch_id)  # 404 unless the caller's
+        await transition(self.redis, batch_id, ACTIVE, status="cancelling", cancelling_at=int(time.time()))
+        return await self._view(await load_batch(self.redis, batch_id))
+
+    async def list_batches(self, request: Request, limit: int = 20, after: str | None = None) -> dict:
+        api_key = await self.authenticated(request)
+        ids = [_text(i) for i in await self.redis.zrevrange(p.batches_key(api_key.name), 0, -1)]
+        if after in ids:
+            ids = ids[ids.index(after) + 1:]
+        data = [await self._view(b) for i in ids[:max(1, min(limit, 100)) + 1]
+                if (b := await load_batch(self.redis, i)) is not None]
+        page = data[:max(1, min(limit, 100))]
+        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None, "has_more": len(data) > len(page)}
+
+
+def celery_submitter(redis_url: str) -> Callable[[str], Awaitable[None]]:
+    """Sends a batch to the accounting service's Celery workers, on their low-priority batch queue, by task name.
+    Celery rather than a queue of our own: the job then has what the ledger's jobs have (acknowledged only when
+    done, so a job whose worker died is redelivered, which the job's idempotence allows; one worker fleet and one
+    way to run and watch background jobs), and the gateway needs no code of the job, only its name."""
+    from services.accounting.tasks import QUEUE_BATCH, RUN_BATCH, celery_app
+    from services.settings import AccountingSettings
+
+    app = celery_app(AccountingSettings(), redis_url)
+
+    async def submit(batch_id: str) -> None:
+        # send_task blocks on the broker: off the event loop
+        await asyncio.to_thread(app.send_task, RUN_BATCH, args=[batch_id], queue=QUEUE_BATCH)
+
+    return submit

@@ -1,0 +1,185 @@
+"""The Batch API's job (Celery task `RUN_BATCH`, on the low-priority batch queue): runs a batch's lines through
+the request stream as the gateway would run them, a few at a time, and writes its output and error files.
+
+Each line becomes the `GenerateRequest` the gateway builds for the same body and key (same parse, same
+`to_message`), with SLA class "batch" and `p.BATCH_PRIORITY`, which the engine schedules after interactive
+requests. At most `max_in_flight` lines are in the stack at once, and each passes the gateway's admission
+(waiting, not failing, while a model's queue is full): batch traffic fills the troughs rather than flooding.
+
+Idempotent: each line's result is recorded by custom_id as it ends (`p.batch_output_key`, `p.batch_errors_key`),
+and a line's request id is derived from the batch and custom_id, so a job re-run after a crash skips the lines
+answered and follows, rather than resubmits, a line whose request is still in the stack."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import time
+
+import redis.asyncio as aioredis
+
+from gateway.admission import Admission
+from gateway.batches import ACTIVE, BatchLine, load_batch, load_file, read_lines, request_counts, store_file, transition
+from gateway.render import ResponseBuilder
+from gateway.schemas import RequestError, cache_mode
+from services import protocol as p
+from services.redis_client import connect
+from services.settings import CacheSettings, GatewaySettings, RouterSettings, StreamSettings
+from services.streams import follow_replies
+
+log = logging.getLogger(__name__)
+MAX_IN_FLIGHT = 8
+BATCH_SLA_CLASS = "batch"
+
+
+def run_batch(redis_url: str, batch_id: str, max_in_flight: int = MAX_IN_FLIGHT) -> dict:
+    """Runs the batch to its end (or its cancellation); returns its request counts."""
+
+    async def main() -> dict:
+        redis = connect(redis_url)
+        try:
+            return await BatchJob(redis, batch_id, max_in_flight).run()
+        finally:
+            await redis.aclose()
+
+    return asyncio.run(main())
+
+
+def line_request_id(batch_id: str, custom_id: str) -> str:
+    return hashlib.sha256(f"{batch_id}\0{custom_id}".encode()).hexdigest()[:32]
+
+
+class BatchJob:
+    def __init__(self, redis: aioredis.Redis, batch_id: str, max_in_flight: int):
+        self.redis, self.batch_id, self.max_in_flight = redis, batch_id, max_in_flight
+        self.gateway, self.streams = GatewaySettings(), StreamSettings()
+        self.admission = Admission(redis, self.gateway, RouterSettings())
+        self.default_cache_mode = CacheSettings().default_mode
+
+    async def run(self) -> dict:
+        batch = await load_batch(self.redis, self.batch_id)
+        if batch is None:  # expired before a worker got to it
+            log.warning("batch %s is gone", self.batch_id)
+            return {}
+        now = int(time.time())
+        started = await transition(self.redis, self.batch_id, ACTIVE, status="in_progress",
+                                   in_progress_at=batch["in_progress_at"] or now)
+        if started:
+            file = await load_file(self.redis, batch["input_file_id"])
+            if file is None:
+                await self._fail(batch, "file_not_found", f"the input file {batch['input_file_id']} has expired")
+                return await request_counts(self.redis, batch)
+            await self._run_lines(batch, read_lines(file["content"]))
+        if batch["status"] not in ("completed", "failed", "cancelled", "expired"):
+            await self._finalize(await load_batch(self.redis, self.batch_id))
+        return await request_counts(self.redis, batch)
+
+    async def _run_lines(self, batch: dict, lines: list[BatchLine]) -> None:
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hkeys(p.batch_output_key(self.batch_id))
+            pipe.hkeys(p.batch_errors_key(self.batch_id))
+            answered = {custom_id for keys in await pipe.execute() for custom_id in keys}
+        pending = iter([line for line in lines if line.custom_id not in answered])
+
+        async def lane() -> None:
+            # `pending` is shared: each lane takes the next line when its last one ended
+            for line in pending:
+                if await self._cancelling():
+                    return
+                await self._record(line, *await self._answer(batch["key"], line))
+
+        await asyncio.gather(*(lane() for _ in range(self.max_in_flight)))
+
+    async def _cancelling(self) -> bool:
+        return json.loads(await self.redis.hget(p.batch_key(self.batch_id), "status") or "null") != "in_progress"
+
+    async def _answer(self, key: dict, line: BatchLine) -> tuple[bool, dict]:
+        """(succeeded, the line's output object)."""
+        rid = line_request_id(self.batch_id, line.custom_id)
+        out = {"id": f"batch_req_{rid}", "custom_id": line.custom_id}
+        try:
+            body = await self._generate(key, line, rid)
+        except RequestError as exc:
+            return False, {**out, "response": {"status_code": exc.error.status, "request_id": rid,
+                                               "body": exc.error.openai()}, "error": None}
+        except TimeoutError as exc:
+            return False, {**out, "response": None, "error": {"code": "timeout", "message": str(exc)}}
+        return True, {**out, "response": {"status_code": 200, "request_id": rid, "body": body}, "error": None}
+
+    async def _generate(self, key: dict, line: BatchLine, rid: str) -> dict:
+        """As `Gateway.generate` builds and relays the request (without a key's rate limits and budget, which
+        guard interactive traffic; the ledger still charges each line to the key)."""
+        req = line.request()
+        message = req.to_message(rid, key["name"])
+        message.api_key_id = key["hash"]
+        message.cache_mode = cache_mode(req.cache, None, key["cache_mode"], self.default_cache_mode)
+        message.sla_class, message.priority = BATCH_SLA_CLASS, p.BATCH_PRIORITY
+        if not await self.redis.exists(p.reply_stream(rid)):  # else submitted by a job that crashed: follow it
+            await self._admit(req.model, rid)
+            await self.redis.xadd(p.REQUESTS_STREAM, message.encode(), maxlen=self.streams.stream_maxlen,
+                                  approximate=True)
+        try:
+            return await self._collect(req, message)
+        finally:
+            await self.admission.release(req.model, rid)
+
+    async def _admit(self, model: str, rid: str) -> None:
+        """The gateway's admission; a full queue or no live worker is waited out (up to the request timeout)."""
+        deadline = time.monotonic() + self.gateway.request_timeout_s
+        while True:
+            try:
+                return await self.admission.admit(model, rid)
+            except RequestError as exc:
+                if exc.error.code not in ("queue_full", "no_worker") or time.monotonic() > deadline:
+                    raise
+            await asyncio.sleep(self.gateway.retry_after_s)
+
+    async def _collect(self, req, message: p.GenerateRequest) -> dict:
+        """The whole response body, built as the gateway builds a non-streamed one."""
+        builder = None
+        async for chunk in follow_replies(self.redis, message.request_id, self.gateway.request_timeout_s):
+            if chunk.kind == "error":
+                raise RequestError(chunk.error)
+            if builder is None:
+                prefix = "chatcmpl" if message.kind == "chat" else "cmpl"
+                builder = ResponseBuilder(message.kind, f"{prefix}-{message.request_id}", message.created,
+                                          chunk.model or message.model, False, req.wants_logprobs)
+            if chunk.kind == "delta":
+                builder.add(chunk)
+            elif chunk.kind == "finished":
+                return builder.response(chunk, req.n)
+        raise RequestError(p.ErrorBody(message="the reply stream ended early", type="server_error", status=500))
+
+    async def _record(self, line: BatchLine, succeeded: bool, output: dict) -> None:
+        key = p.batch_output_key(self.batch_id) if succeeded else p.batch_errors_key(self.batch_id)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(key, line.custom_id, json.dumps(output))
+            pipe.expire(key, p.BATCH_TTL_S)
+            await pipe.execute()
+
+    async def _finalize(self, batch: dict) -> None:
+        """The output and error files (lines in input order), then the final status: cancelled if a cancel
+        came, else completed."""
+        await transition(self.redis, self.batch_id, ("in_progress", "cancelling"), finalizing_at=int(time.time()))
+        file = await load_file(self.redis, batch["input_file_id"])
+        order = [line.custom_id for line in read_lines(file["content"])] if file else []
+        files = {}
+        for field, key, name in (("output_file_id", p.batch_output_key(self.batch_id), "output"),
+                                 ("error_file_id", p.batch_errors_key(self.batch_id), "errors")):
+            results = await self.redis.hgetall(key)
+            if results:
+                content = "".join(results[c] + "\n" for c in order if c in results).encode()
+                meta = await store_file(self.redis, batch["tenant"], content, f"{self.batch_id}_{name}.jsonl",
+                                        "batch_output")
+                files[field] = meta["id"]
+        now = int(time.time())
+        if not await transition(self.redis, self.batch_id, ("in_progress",), status="completed", completed_at=now,
+                                **files):
+            await transition(self.redis, self.batch_id, ("cancelling",), status="cancelled", cancelled_at=now,
+                             **files)
+
+    async def _fail(self, batch: dict, code: str, message: str) -> None:
+        await transition(self.redis, self.batch_id, ("in_progress",), status="failed", failed_at=int(time.time()),
+                         errors={"object": "list", "data": [{"code": code, "message": message, "line": None}]})
