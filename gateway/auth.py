@@ -64,7 +64,11 @@ async def authenticate(redis: aioredis.Redis, authorization: str | None) -> ApiK
     """The known bearer key, else None."""
     if not authorization or not authorization.lower().startswith("bearer "):
         return None
-    digest = hash_key(authorization[7:].strip())
+    return await key_by_hash(redis, hash_key(authorization[7:].strip()))
+
+
+async def key_by_hash(redis: aioredis.Redis, digest: str) -> ApiKey | None:
+    """The key stored under this hash (work done for a key later, e.g. a batch job, looks its limits up again)."""
     record = await redis.hget(p.API_KEYS_KEY, digest)
     if not record:
         return None

@@ -13,6 +13,7 @@ answered and follows, rather than resubmits, a line whose request is still in th
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 import logging
@@ -21,10 +22,13 @@ import time
 import redis.asyncio as aioredis
 
 from gateway.admission import Admission
+from gateway.auth import key_by_hash
 from gateway.batches import ACTIVE, BatchLine, load_batch, load_file, read_lines, request_counts, store_file, transition
+from gateway.budgets import Budgets, Estimator
 from gateway.render import ResponseBuilder
 from gateway.schemas import RequestError, cache_mode
 from services import protocol as p
+from services.accounting.prices import PriceTable
 from services.redis_client import connect
 from services.settings import CacheSettings, GatewaySettings, RouterSettings, StreamSettings
 from services.streams import follow_replies
@@ -55,7 +59,10 @@ class BatchJob:
     def __init__(self, redis: aioredis.Redis, batch_id: str, max_in_flight: int):
         self.redis, self.batch_id, self.max_in_flight = redis, batch_id, max_in_flight
         self.gateway, self.streams = GatewaySettings(), StreamSettings()
-        self.admission = Admission(redis, self.gateway, RouterSettings())
+        tiers = RouterSettings()
+        self.admission = Admission(redis, self.gateway, tiers)
+        self.budgets = Budgets(redis, Estimator(redis, PriceTable.load(self.gateway.prices_path),
+                                                (tiers.small_model, tiers.large_model)))
         self.default_cache_mode = CacheSettings().default_mode
 
     async def run(self) -> dict:
@@ -109,15 +116,23 @@ class BatchJob:
         return True, {**out, "response": {"status_code": 200, "request_id": rid, "body": body}, "error": None}
 
     async def _generate(self, key: dict, line: BatchLine, rid: str) -> dict:
-        """As `Gateway.generate` builds and relays the request (without a key's rate limits and budget, which
-        guard interactive traffic; the ledger still charges each line to the key)."""
+        """As `Gateway.generate` builds and relays the request: the key's budget holds for batch lines too (a
+        line that does not fit fails with insufficient_quota); its per-minute rate limits, which pace
+        interactive traffic, do not."""
         req = line.request()
         message = req.to_message(rid, key["name"])
         message.api_key_id = key["hash"]
         message.cache_mode = cache_mode(req.cache, None, key["cache_mode"], self.default_cache_mode)
         message.sla_class, message.priority = BATCH_SLA_CLASS, p.BATCH_PRIORITY
         if not await self.redis.exists(p.reply_stream(rid)):  # else submitted by a job that crashed: follow it
-            await self._admit(req.model, rid)
+            api_key = await key_by_hash(self.redis, key["hash"])
+            if api_key is not None and api_key.budget_usd is not None:
+                await self.budgets.admit(dataclasses.replace(api_key, rpm=None, tpm=None), message)
+            try:
+                await self._admit(req.model, rid)
+            except RequestError:
+                await self.budgets.release(rid)
+                raise
             await self.redis.xadd(p.REQUESTS_STREAM, message.encode(), maxlen=self.streams.stream_maxlen,
                                   approximate=True)
         try:

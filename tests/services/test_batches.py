@@ -14,10 +14,12 @@ from pathlib import Path
 import openai
 import pytest
 
-from gateway.auth import hash_key
+from gateway.auth import hash_key, register_key
 from gpu_worker.service import Worker
 from services import protocol as p
 from services.accounting.batch_jobs import run_batch
+from services.accounting.prices import PriceTable
+from services.redis_client import connect
 
 from .conftest import MODEL
 
@@ -193,3 +195,21 @@ def test_the_worker_hands_the_requests_priority_to_the_engine():
     assert seen == {"priority": p.BATCH_PRIORITY, "cache_salt": "salt"}
     assert p.GenerateRequest(request_id="r", kind="completion", model=MODEL, prompt="x",
                              sampling=p.SamplingOptions()).priority == 0  # interactive requests
+
+
+def test_a_batch_cannot_spend_past_its_keys_budget(stack, batch_worker):
+    async def create_key() -> str:
+        redis = connect(stack.redis_url)
+        try:  # 12 output tokens at the small model's output price: a budget for about three lines' estimates
+            price = PriceTable.load().price(MODEL)
+            return await register_key(redis, f"batch-budget-{uuid.uuid4().hex[:6]}", budget_usd=3.5 * (
+                40 * price.input + 12 * price.output) / 1e6, budget_period="total")
+        finally:
+            await redis.aclose()
+
+    client = openai.OpenAI(base_url=stack.url + "/v1", api_key=asyncio.run(create_key()), max_retries=0)
+    batch = _wait(client, _submit(client, {f"b-{i}": _chat(i) for i in range(10)}).id, {"completed", "failed"}, 90,
+                  batch_worker)
+    assert 1 <= batch.request_counts.completed < 10 and batch.request_counts.failed >= 1
+    errors = [json.loads(line) for line in client.files.content(batch.error_file_id).text.splitlines()]
+    assert {e["response"]["body"]["error"]["code"] for e in errors} == {"insufficient_quota"}
