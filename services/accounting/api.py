@@ -14,7 +14,8 @@ from typing import Annotated
 import redis.asyncio as aioredis
 from fastapi import Depends, FastAPI, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from sqlalchemy import Engine
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -138,9 +139,12 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
     return JSONResponse(error.openai(), status_code=exc.status_code, headers=exc.headers)
 
 
-def create_finance_app(engine: Engine, redis: aioredis.Redis) -> FastAPI:
-    """The app; the caller owns (and closes) the engine and the Redis client."""
+def create_finance_app(engine: Engine, redis: aioredis.Redis, metrics: CollectorRegistry | None = None) -> FastAPI:
+    """The app; the caller owns (and closes) the engine and the Redis client. `metrics`: served at /metrics."""
     app = FastAPI(title="tokenfleet finance")
+    if metrics is not None:
+        app.add_api_route("/metrics", lambda: PlainTextResponse(generate_latest(metrics),
+                                                                media_type=CONTENT_TYPE_LATEST), methods=["GET"])
     app.state.finance = Finance(engine, redis)
     app.add_exception_handler(RequestError, _request_error)
     app.add_exception_handler(RequestValidationError, _invalid_query)

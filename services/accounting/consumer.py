@@ -16,6 +16,7 @@ from sqlalchemy import Engine
 from services import protocol as p
 from services import streams, telemetry
 from services.accounting import ledger
+from services.accounting.metrics import LedgerMetrics
 from services.accounting.prices import PriceTable
 from services.accounting.sla import SlaPolicy
 from services.settings import StreamSettings
@@ -35,8 +36,9 @@ async def no_settlement(request_id: str, list_cost_usd: float) -> None:
 
 class LedgerConsumer:
     def __init__(self, redis: aioredis.Redis, engine: Engine, prices: PriceTable, sla: SlaPolicy, consumer_id: str,
-                 stream_settings: StreamSettings, settle: Settle = no_settlement):
+                 stream_settings: StreamSettings, settle: Settle = no_settlement, metrics: LedgerMetrics | None = None):
         self.redis, self.engine, self.prices, self.sla = redis, engine, prices, sla
+        self.metrics = metrics or LedgerMetrics()
         self.consumer_id, self.streams, self.settle = consumer_id, stream_settings, settle
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -70,7 +72,10 @@ class LedgerConsumer:
             except ValueError:  # not an event of ours: acknowledged below with the rest, logged, never retried
                 log.error("dropping malformed completion event %s", delivery.entry_id)
         started = time.time()
-        new = await asyncio.to_thread(ledger.record, self.engine, rows)
+        new = set(await asyncio.to_thread(ledger.record, self.engine, rows))
+        for recorded in rows:
+            if recorded["request_id"] in new:
+                self.metrics.count(recorded)
         for event, recorded in zip(events, rows, strict=True):  # the trace's last hop: the task's row committed
             telemetry.record("ledger.record", event.traceparent, started, time.time(), {
                 "gen_ai.request.model": event.model, "gen_ai.usage.input_tokens": event.usage.prompt_tokens,

@@ -14,6 +14,7 @@ from gateway import budgets
 from services.accounting import db
 from services.accounting.api import create_finance_app
 from services.accounting.consumer import LedgerConsumer
+from services.accounting.metrics import LedgerMetrics
 from services.accounting.prices import PriceTable
 from services.accounting.sla import SlaPolicy
 from services.gc_tuning import started
@@ -25,11 +26,13 @@ async def serve(settings: AccountingSettings, redis_url: str) -> None:
     engine = db.connect(settings.ledger_url())
     await asyncio.to_thread(db.migrate, engine)
     redis = connect(redis_url)
+    metrics = LedgerMetrics()
     consumer = LedgerConsumer(redis, engine, PriceTable.load(settings.prices_path), SlaPolicy.load(settings.sla_path),
                               f"{socket.gethostname()}-{os.getpid()}", StreamSettings(),
-                              settle=functools.partial(budgets.settle, redis))
-    api = uvicorn.Server(uvicorn.Config(create_finance_app(engine, redis), host=settings.host, port=settings.port,
-                                        log_level="warning", access_log=False))
+                              settle=functools.partial(budgets.settle, redis), metrics=metrics)
+    app = create_finance_app(engine, redis, metrics.registry)
+    api = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",
+                                        access_log=False))
     serving = asyncio.create_task(api.serve())
     stop = started()
     # On SIGTERM uvicorn's own handler stops the API first, then re-raises the signal for `started()`'s: the

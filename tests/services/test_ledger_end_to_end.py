@@ -3,6 +3,8 @@ response's usage, with its costs, timings, decisions and status."""
 
 from __future__ import annotations
 
+import urllib.request
+
 import openai
 import pytest
 
@@ -59,3 +61,27 @@ def test_an_unknown_sla_class_is_a_400_naming_the_field(stack):
         stack.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
                                                max_tokens=2, extra_body={"sla": "platinum"})
     assert err.value.body["param"] == "sla" and "batch" in err.value.body["message"]
+
+
+def test_the_accounting_service_counts_cost_tasks_and_sla_met_for_prometheus(stack):
+    def samples() -> dict[str, float]:
+        port = stack.env["TOKENFLEET_ACCOUNTING_PORT"]
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+            lines = response.read().decode().splitlines()
+        return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in lines
+                if line.startswith("tokenfleet")}
+
+    before = samples()
+    response = stack.client().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Count my cost."}], max_tokens=4, temperature=0,
+        extra_body={"sla": "batch"})  # an hour to finish: it meets its SLA whatever this machine's load
+    row = stack.ledger_row(response.id)
+    after = samples()
+
+    def grew(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert grew(f'tokenfleet:tasks_total{{model="{MODEL}",status="ok"}}') >= 1
+    assert grew(f'tokenfleet:cost_usd_total{{kind="list",model="{MODEL}"}}') >= float(row.list_cost_usd) * 0.999999 > 0
+    assert row.sla_met and grew(f'tokenfleet:sla_met_total{{model="{MODEL}",sla_class="batch"}}') >= 1
+    assert grew(f'tokenfleet:output_tokens_total{{model="{MODEL}"}}') >= 4
