@@ -80,7 +80,7 @@ class Gateway:
         self.sla = sla or SlaPolicy.load()
         self.idempotency = Idempotency(redis, settings.idempotency_ttl_s)
         self.relay = Relay(redis, Admission(redis, settings, tiers), self.idempotency, settings, stream_settings)
-        prices = prices or PriceTable.load(settings.prices_path)
+        prices = prices or PriceTable.load()
         self.budgets = Budgets(redis, Estimator(redis, prices, (tiers.small_model, tiers.large_model)))
         self.metrics = GatewayMetrics()
 
@@ -203,7 +203,7 @@ def create_app(redis: aioredis.Redis, settings: GatewaySettings, tiers: RouterSe
                stream_settings: StreamSettings, default_cache_mode: p.CacheMode = "off",
                prices: PriceTable | None = None, sla: SlaPolicy | None = None,
                submit_batch: Callable[[str], Awaitable[None]] | None = None) -> FastAPI:
-    """`prices`: the table budgets are estimated with; None loads `settings.prices_path` (else the default).
+    """`prices`: the table budgets are estimated with (the ledger's); None: the shipped default.
     `sla`: the SLA classes requests may name; None: the default ones. `submit_batch(batch_id)`: starts the job
     that runs a new batch (gateway/batches.py `celery_submitter`); None: batches are recorded, never run."""
     gateway = Gateway(redis, settings, tiers, stream_settings, default_cache_mode, prices, sla)

@@ -15,6 +15,7 @@ import redis.asyncio as aioredis
 from services import protocol as p
 
 KEY_PREFIX = "tf-"
+MAX_NAME = 128
 BudgetPeriod = Literal["day", "month", "total"]  # day and month are UTC calendar periods
 
 
@@ -46,6 +47,8 @@ async def register_key(redis: aioredis.Redis, name: str, key: str | None = None,
                        budget_usd: float | None = None, budget_period: BudgetPeriod = "month",
                        admin: bool = False, sla_class: str | None = None) -> str:
     """Stores the hash of `key` (a new random key when None) under `name`, with its limits; returns the key."""
+    if not 0 < len(name) <= MAX_NAME:  # the ledger's tenant column
+        raise ValueError(f"a key's name is 1 to {MAX_NAME} characters")
     if budget_period not in get_args(BudgetPeriod):
         raise ValueError(f"budget_period must be one of {', '.join(get_args(BudgetPeriod))}")
     if any(limit is not None and limit < 0 for limit in (rpm, tpm, budget_usd)):

@@ -70,7 +70,7 @@ def _line(raw: str) -> BatchLine:
         raise _bad("'custom_id' must be a non-empty string")
     if obj.get("method") != "POST":
         raise _bad("'method' must be \"POST\"")
-    if obj.get("url") not in ENDPOINTS:
+    if not isinstance(obj.get("url"), str) or obj["url"] not in ENDPOINTS:
         raise _bad(f"'url' must be one of {', '.join(ENDPOINTS)}")
     line = BatchLine(obj["custom_id"], obj["url"], obj.get("body"))
     if line.request().stream:
@@ -198,7 +198,7 @@ class Batches:
             raise _bad(f"could not parse the JSON body: {exc}") from None
         if not isinstance(body, dict):
             raise _bad("the request body must be a JSON object")
-        if body.get("endpoint") not in ENDPOINTS:
+        if not isinstance(body.get("endpoint"), str) or body["endpoint"] not in ENDPOINTS:
             raise _bad(f"'endpoint' must be one of {', '.join(ENDPOINTS)}", "endpoint")
         if body.get("completion_window") != "24h":
             raise _bad("'completion_window' must be \"24h\"", "completion_window")

@@ -53,6 +53,8 @@ local now, rpm, tpm, tokens = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARG
 if rpm >= 0 and tonumber(redis.call('HGET', KEYS[1], 'requests') or '0') + 1 > rpm then return 1 end
 if tpm >= 0 and tonumber(redis.call('HGET', KEYS[1], 'tokens') or '0') + tokens > tpm then return 2 end
 local budget, estimate, rid = tonumber(ARGV[5]), tonumber(ARGV[6]), ARGV[11]
+-- the same request admitted again (a batch line re-run): it holds its reservation already
+if budget >= 0 and redis.call('EXISTS', KEYS[4]) == 1 then return 0 end
 if budget >= 0 then
   local expired = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', now, 'LIMIT', 0, tonumber(ARGV[14]))
   for _, old in ipairs(expired) do
@@ -275,7 +277,9 @@ class Estimator:
         tokenizer = self._tokenizer(model_dir)
 
         def count(text: str) -> int:
-            return len(tokenizer.encode(text, add_special_tokens=False).ids) if tokenizer else len(text) // 3 + 1
+            # No tokenizer here: one token per UTF-8 byte, the most a byte-level BPE can make of a text (a
+            # characters-based guess lets emoji or CJK prompts reserve a tenth of what they cost).
+            return len(tokenizer.encode(text, add_special_tokens=False).ids) if tokenizer else len(text.encode())
 
         if message.kind == "completion":
             return count(message.prompt or "")

@@ -6,6 +6,7 @@ import uvicorn
 
 from gateway.app import create_app
 from gateway.batches import celery_submitter
+from services.accounting.prices import PriceTable
 from services.accounting.sla import SlaPolicy
 from services.gc_tuning import freeze_startup_objects
 from services.redis_client import connect
@@ -14,8 +15,10 @@ from services.settings import AccountingSettings, CacheSettings, GatewaySettings
 
 async def serve(settings: GatewaySettings, redis_url: str) -> None:
     redis = connect(redis_url)
+    accounting = AccountingSettings()  # budgets are estimated and SLA classes named as the ledger prices them
     app = create_app(redis, settings, RouterSettings(), StreamSettings(), CacheSettings().default_mode,
-                     sla=SlaPolicy.load(AccountingSettings().sla_path), submit_batch=celery_submitter(redis_url))
+                     prices=PriceTable.load(accounting.prices_path), sla=SlaPolicy.load(accounting.sla_path),
+                     submit_batch=celery_submitter(redis_url))
     freeze_startup_objects()
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning", access_log=False)
     try:

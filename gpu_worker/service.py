@@ -323,7 +323,11 @@ class Worker:
     async def _abandon(self, delivery: streams.Delivery, request: p.GenerateRequest, status: p.TaskStatus) -> None:
         """Acknowledge a request that will not finish, with its completion event: what its reply stream shows
         it got (a cancelled stream's tokens were computed and sent; the ledger counts them)."""
-        history = ReplyHistory.of(await streams.reply_history(self.redis, request.request_id))
+        entries = await streams.reply_history(self.redis, request.request_id)
+        if any(chunk.kind == "finished" for _, chunk in entries):  # it finished as the cancel came: its own
+            await self.redis.xack(delivery.stream, p.WORKER_GROUP, delivery.entry_id)  # event stands alone
+            return
+        history = ReplyHistory.of(entries)
         usage = p.Usage(prompt_tokens=history.started.prompt_tokens or 0 if history.started else 0,
                         completion_tokens=history.completion_tokens())
         async with self.redis.pipeline(transaction=True) as pipe:

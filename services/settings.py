@@ -44,7 +44,6 @@ class GatewaySettings(BaseSettings):
     idempotency_ttl_s: int = 3600
     request_timeout_s: float = 600.0  # no reply for this long: 504
     dev_key: str | None = None  # registered at start-up when set (`tokenfleet up` sets one)
-    prices_path: str | None = None  # the price table budgets are estimated with; default: the default table
 
 
 class RouterSettings(BaseSettings):

@@ -30,7 +30,7 @@ from gateway.schemas import RequestError, cache_mode
 from services import protocol as p
 from services.accounting.prices import PriceTable
 from services.redis_client import connect
-from services.settings import CacheSettings, GatewaySettings, RouterSettings, StreamSettings
+from services.settings import AccountingSettings, CacheSettings, GatewaySettings, RouterSettings, StreamSettings
 from services.streams import follow_replies
 
 log = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ class BatchJob:
         self.gateway, self.streams = GatewaySettings(), StreamSettings()
         tiers = RouterSettings()
         self.admission = Admission(redis, self.gateway, tiers)
-        self.budgets = Budgets(redis, Estimator(redis, PriceTable.load(self.gateway.prices_path),
+        self.budgets = Budgets(redis, Estimator(redis, PriceTable.load(AccountingSettings().prices_path),
                                                 (tiers.small_model, tiers.large_model)))
         self.default_cache_mode = CacheSettings().default_mode
 
@@ -99,6 +99,12 @@ class BatchJob:
 
         await asyncio.gather(*(lane() for _ in range(self.max_in_flight)))
 
+    async def _cancel(self, request_id: str) -> None:
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.set(p.cancel_key(request_id), 1, ex=self.streams.reply_ttl_s)
+            pipe.publish(p.CANCEL_CHANNEL, request_id)
+            await pipe.execute()
+
     async def _cancelling(self) -> bool:
         return json.loads(await self.redis.hget(p.batch_key(self.batch_id), "status") or "null") != "in_progress"
 
@@ -111,7 +117,8 @@ class BatchJob:
         except RequestError as exc:
             return False, {**out, "response": {"status_code": exc.error.status, "request_id": rid,
                                                "body": exc.error.openai()}, "error": None}
-        except TimeoutError as exc:
+        except TimeoutError as exc:  # the stack may still be running it: stop it, so it is neither run nor billed
+            await self._cancel(rid)
             return False, {**out, "response": None, "error": {"code": "timeout", "message": str(exc)}}
         return True, {**out, "response": {"status_code": 200, "request_id": rid, "body": body}, "error": None}
 
@@ -126,7 +133,10 @@ class BatchJob:
         message.sla_class, message.priority = BATCH_SLA_CLASS, p.BATCH_PRIORITY
         if not await self.redis.exists(p.reply_stream(rid)):  # else submitted by a job that crashed: follow it
             api_key = await key_by_hash(self.redis, key["hash"])
-            if api_key is not None and api_key.budget_usd is not None:
+            if api_key is None:  # revoked since the batch was created: nothing more runs on it
+                raise RequestError(p.ErrorBody(message="the batch's API key no longer exists", type="invalid_request",
+                                               code="invalid_api_key", status=401))
+            if api_key.budget_usd is not None:
                 await self.budgets.admit(dataclasses.replace(api_key, rpm=None, tpm=None), message)
             try:
                 await self._admit(req.model, rid)

@@ -256,7 +256,8 @@ def test_parallel_requests_through_the_gateway_never_overspend_the_budget(stack)
     answers = [o for o in outcomes if not isinstance(o, str)]
     assert outcomes.count("insufficient_quota") == 50 - len(answers)
     prices = PriceTable.load()
-    costs = [prices.list_cost(MODEL, a.usage.prompt_tokens, 0, a.usage.completion_tokens) for a in answers]
+    costs = [prices.list_cost(MODEL, a.usage.prompt_tokens, a.usage.prompt_tokens_details.cached_tokens,
+                              a.usage.completion_tokens) for a in answers]  # as the ledger charges them
     assert sum(costs) <= budget
     # Exactly 10 while nothing settles (the Lua test above); the stack's accounting service settles finished
     # requests at their actual cost, below the estimate, which may free room for one or two more, never more
