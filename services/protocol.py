@@ -304,6 +304,7 @@ class DeadLetter(Message):
     deliveries: int
     reason: str
     request: GenerateRequest | None = None
+    event: CompletionEvent | None = None  # a completion event the ledger refused
 
 
 class PrefixChange(Message):

@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 
 import redis.asyncio as aioredis
 from sqlalchemy import Engine
+from sqlalchemy.exc import DataError, IntegrityError
 
 from services import protocol as p
 from services import streams, telemetry
@@ -60,6 +61,25 @@ class LedgerConsumer:
             await asyncio.sleep(self.streams.janitor_interval_s)
             await self.write(await claimer.claim(BATCH))
 
+    async def _one_by_one(self, events: list[p.CompletionEvent], rows: list[dict]):
+        """Each row in its own transaction; a refused one goes to the dead-letter stream (with its event, to
+        be fixed and replayed by hand) and is acknowledged with the batch. A lost connection is no row's
+        fault: that error propagates, and the batch is retried whole."""
+        new, kept_events, kept_rows = set(), [], []
+        for event, row in zip(events, rows, strict=True):
+            try:
+                new.update(await asyncio.to_thread(ledger.record, self.engine, [row]))
+                kept_events.append(event)
+                kept_rows.append(row)
+            except (DataError, IntegrityError) as exc:
+                log.error("the ledger refused the row of %s: %s", event.request_id, exc)
+                letter = p.DeadLetter(request_id=event.request_id, stream=p.EVENTS_STREAM, entry_id="", deliveries=1,
+                                      reason=f"ledger refused the row: {exc}"[:500], event=event,
+                                      traceparent=event.traceparent)
+                await self.redis.xadd(p.DEAD_LETTER_STREAM, letter.encode(), maxlen=self.streams.stream_maxlen,
+                                      approximate=True)
+        return new, kept_events, kept_rows
+
     async def write(self, deliveries: list[streams.Delivery]) -> None:
         if not deliveries:
             return
@@ -72,7 +92,10 @@ class LedgerConsumer:
             except ValueError:  # not an event of ours: acknowledged below with the rest, logged, never retried
                 log.error("dropping malformed completion event %s", delivery.entry_id)
         started = time.time()
-        new = set(await asyncio.to_thread(ledger.record, self.engine, rows))
+        try:
+            new = set(await asyncio.to_thread(ledger.record, self.engine, rows))
+        except (DataError, IntegrityError):  # one row the database refuses must not hold back the others
+            new, events, rows = await self._one_by_one(events, rows)
         for recorded in rows:
             if recorded["request_id"] in new:
                 self.metrics.count(recorded)

@@ -7,6 +7,7 @@ import asyncio
 import uuid
 from decimal import Decimal
 
+import pytest
 from sqlalchemy import func, select
 
 from services import protocol as p
@@ -107,3 +108,30 @@ def test_a_consumer_killed_before_its_commit_loses_no_event_and_a_replay_duplica
         count = connection.execute(select(func.count()).select_from(LedgerRow)).scalar_one()
     assert count == 5 and pending == 0
     assert sorted(set(settled)) == sorted(e.request_id for e in events)  # every task settled, replays harmless
+
+
+def test_a_row_the_database_refuses_is_dead_lettered_and_the_others_are_recorded(ledger_engine):
+    if ledger_engine.dialect.name != "postgresql":
+        pytest.skip("SQLite does not enforce column lengths; run with DATABASE_URL=postgresql://… to check this")
+    refused = _event()
+    refused.api_key_name = "x" * 200  # longer than the tenant column
+    events = [_event(), refused, _event()]
+
+    async def scenario():
+        embedded = EmbeddedRedis()
+        redis = connect(embedded.url)
+        try:
+            for event in events:
+                await redis.xadd(p.EVENTS_STREAM, event.encode())
+            await streams.ensure_group(redis, p.EVENTS_STREAM, ACCOUNTING_GROUP)
+            consumer = LedgerConsumer(redis, ledger_engine, PRICES, SLA, "a", StreamSettings())
+            await consumer.write(await streams.read_new(redis, p.EVENTS_STREAM, ACCOUNTING_GROUP, "a", 10, None))
+            letters = [p.decode(p.DeadLetter, f) for _, f in await redis.xrange(p.DEAD_LETTER_STREAM)]
+            return letters, (await redis.xpending(p.EVENTS_STREAM, ACCOUNTING_GROUP))["pending"]
+        finally:
+            await redis.aclose()
+            embedded.close()
+
+    letters, pending = asyncio.run(scenario())
+    assert sorted(r.request_id for r in _rows(ledger_engine)) == sorted([events[0].request_id, events[2].request_id])
+    assert [letter.event.request_id for letter in letters] == [refused.request_id] and pending == 0
