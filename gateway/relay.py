@@ -19,7 +19,7 @@ from gateway.render import ResponseBuilder
 from gateway.schemas import CACHE_HEADER, ChatCompletionRequest, RequestError
 from services import protocol as p
 from services.settings import GatewaySettings, StreamSettings
-from services.streams import follow_replies
+from services.streams import add_reply, follow_replies, signal_cancel
 
 
 def sse(obj: dict | str) -> str:
@@ -133,10 +133,8 @@ class Relay:
         error = p.ErrorBody(message="the request was cancelled: its client disconnected", type="server_error",
                             code="cancelled", status=499)
         async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.set(p.cancel_key(request_id), 1, ex=self.streams.reply_ttl_s)
-            pipe.publish(p.CANCEL_CHANNEL, request_id)
-            pipe.xadd(p.reply_stream(request_id), p.ReplyChunk(kind="error", error=error).encode())
-            pipe.expire(p.reply_stream(request_id), self.streams.reply_ttl_s)
+            signal_cancel(pipe, request_id, self.streams)
+            add_reply(pipe, request_id, p.ReplyChunk(kind="error", error=error), self.streams)
             await pipe.execute()
 
     def _later(self, coro) -> None:

@@ -5,8 +5,6 @@ that acknowledgement counts (another router that took the entry over answers not
 
 from __future__ import annotations
 
-import time
-
 import redis.asyncio as aioredis
 
 from cache.response_cache import CacheLookup
@@ -22,9 +20,7 @@ async def answer_from_cache(redis: aioredis.Redis, entry_id: str, request: p.Gen
     completion, rid = hit.completion, request.request_id
     model = request.routing.model
     usage = completion.usage.model_copy(update={"cached_tokens": completion.usage.prompt_tokens})
-    now = time.time()
-    elapsed = now - request.enqueued_at
-    timing = p.Timing(queue_s=elapsed, ttft_s=elapsed, tpot_s=0.0, e2e_s=elapsed, engine_s=0.0, engine_step_s=0.0)
+    timing = p.Timing.unserved(request.enqueued_at)
     chunks = [p.ReplyChunk(kind="started", worker_id=CACHE_WORKER, model=model, prompt_tokens=usage.prompt_tokens,
                            cache=hit.result, traceparent=request.traceparent)]
     chunks += [p.ReplyChunk(kind="delta", worker_id=CACHE_WORKER, index=i, token_ids=c.token_ids, text=c.text,

@@ -222,6 +222,13 @@ class Timing(BaseModel):
     engine_s: float  # admitted by the engine -> finished (the engine's own time for the request)
     engine_step_s: float  # the request's share of measured engine step time
 
+    @classmethod
+    def unserved(cls, enqueued_at: float) -> Timing:
+        """A request no engine worked on (a cache answer, or one that ended before it ran): all of its time
+        since enqueueing was waiting."""
+        elapsed = time.time() - enqueued_at
+        return cls(queue_s=elapsed, ttft_s=elapsed, tpot_s=0.0, e2e_s=elapsed, engine_s=0.0, engine_step_s=0.0)
+
 
 class ReplyChunk(Message):
     """One message on a request's reply stream. Token deltas are numbered per choice by `position` (index of
@@ -287,12 +294,11 @@ class CompletionEvent(Message):
     def abandoned(cls, request: GenerateRequest, status: TaskStatus, worker_id: str, usage: Usage | None = None,
                   **worker_fields) -> CompletionEvent:
         """A request that ended without finishing: what is known of it, timed from its enqueueing."""
-        elapsed = time.time() - request.enqueued_at
-        timing = Timing(queue_s=elapsed, ttft_s=elapsed, tpot_s=0.0, e2e_s=elapsed, engine_s=0.0, engine_step_s=0.0)
         return cls(request_id=request.request_id, model=request.routing.model if request.routing else request.model,
                    worker_id=worker_id, api_key_name=request.api_key_name, api_key_id=request.api_key_id,
                    user=request.user, finish_reasons=[],
-                   usage=usage or Usage(prompt_tokens=0, completion_tokens=0), timing=timing, routing=request.routing,
+                   usage=usage or Usage(prompt_tokens=0, completion_tokens=0),
+                   timing=Timing.unserved(request.enqueued_at), routing=request.routing,
                    status=status, sla_class=request.sla_class, enqueued_at=request.enqueued_at,
                    traceparent=request.traceparent, **worker_fields)
 

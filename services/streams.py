@@ -243,6 +243,13 @@ async def dead_letter_exhausted(redis: aioredis.Redis, group: str, claimed: list
     return fresh
 
 
+def signal_cancel(pipe, request_id: str, settings: StreamSettings) -> None:
+    """Queues on `pipe` what stops a request wherever it is: pub/sub reaches a worker that holds it now, the
+    key one that takes it later."""
+    pipe.set(p.cancel_key(request_id), 1, ex=settings.reply_ttl_s)
+    pipe.publish(p.CANCEL_CHANNEL, request_id)
+
+
 def add_reply(pipe, request_id: str, chunk: p.ReplyChunk, settings: StreamSettings) -> None:
     key = p.reply_stream(request_id)
     pipe.xadd(key, chunk.encode())

@@ -31,7 +31,7 @@ from services import protocol as p
 from services.accounting.prices import PriceTable
 from services.redis_client import connect
 from services.settings import AccountingSettings, CacheSettings, GatewaySettings, RouterSettings, StreamSettings
-from services.streams import follow_replies
+from services.streams import follow_replies, signal_cancel
 
 log = logging.getLogger(__name__)
 MAX_IN_FLIGHT = 8
@@ -101,8 +101,7 @@ class BatchJob:
 
     async def _cancel(self, request_id: str) -> None:
         async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.set(p.cancel_key(request_id), 1, ex=self.streams.reply_ttl_s)
-            pipe.publish(p.CANCEL_CHANNEL, request_id)
+            signal_cancel(pipe, request_id, self.streams)
             await pipe.execute()
 
     async def _cancelling(self) -> bool:

@@ -35,13 +35,12 @@ import pytest
 import uvicorn
 from fastapi.testclient import TestClient
 
-from gateway.auth import register_key
 from services import protocol as p
 from services.accounting import dashboard, ledger
 from services.accounting.api import create_finance_app
 from services.accounting.prices import PriceTable
 from services.accounting.sla import SlaPolicy
-from services.redis_client import EmbeddedRedis, connect
+from services.redis_client import connect
 
 PRICES, SLA = PriceTable.load(), SlaPolicy.load()
 REPO = Path(__file__).resolve().parents[2]
@@ -123,21 +122,6 @@ def _expected(rows: list[dict]) -> dict[str, dict]:
 
 
 # --- the servers ---------------------------------------------------------------------------------------------
-
-async def _register_keys(url: str) -> dict[str, str]:
-    redis = connect(url)
-    try:
-        return {"ops": await register_key(redis, "ops", admin=True), "acme": await register_key(redis, "acme")}
-    finally:
-        await redis.aclose()
-
-
-@pytest.fixture(scope="module")
-def redis_keys():
-    embedded = EmbeddedRedis()
-    yield embedded.url, asyncio.run(_register_keys(embedded.url))
-    embedded.close()
-
 
 class FinanceServer:
     """The finance app under uvicorn on a loop of its own in a thread, on a port the OS picked; its Redis client

@@ -4,7 +4,6 @@ reports' arithmetic on crafted rows."""
 
 from __future__ import annotations
 
-import asyncio
 import csv
 import io
 import uuid
@@ -14,34 +13,16 @@ from decimal import Decimal
 import pytest
 from fastapi.testclient import TestClient
 
-from gateway.auth import register_key
 from services import protocol as p
 from services.accounting import ledger, reports
 from services.accounting.api import create_finance_app
 from services.accounting.prices import PriceTable
 from services.accounting.sla import SlaPolicy
-from services.redis_client import EmbeddedRedis, connect
+from services.redis_client import connect
 
 PRICES, SLA = PriceTable.load(), SlaPolicy.load()
 T0 = datetime(2025, 3, 1, 12, 0, tzinfo=UTC)
 DAY = {"start": "2025-03-01T00:00:00Z", "end": "2025-03-02T00:00:00Z"}
-
-
-async def _register_keys(url: str) -> dict[str, str]:
-    """Tenant keys for acme and globex, and an admin key (ops)."""
-    redis = connect(url)
-    try:
-        keys = {name: await register_key(redis, name) for name in ("acme", "globex")}
-        return keys | {"ops": await register_key(redis, "ops", admin=True)}
-    finally:
-        await redis.aclose()
-
-
-@pytest.fixture(scope="module")
-def redis_keys():
-    embedded = EmbeddedRedis()
-    yield embedded.url, asyncio.run(_register_keys(embedded.url))
-    embedded.close()
 
 
 @pytest.fixture
