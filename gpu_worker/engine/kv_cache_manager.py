@@ -31,6 +31,8 @@ class KVCacheManager:
         tokens they hold. At least one token is left to compute, so the sequence samples from its own logits."""
         if not self.enable_prefix_caching or self.block_tables.get(seq.seq_id):
             return 0
+        if seq.params.prompt_logprobs is not None:  # it needs the logits of every prompt position
+            return 0
         keys = self._extend_keys(seq, (seq.num_tokens - 1) // self.block_size)
         hits = []
         for key in keys:

@@ -65,4 +65,5 @@ class LLM:
                 total = results[i]
                 for completion in delta.outputs:
                     total.outputs[completion.index].extend(completion)
-                total.finished = delta.finished
+                total.finished, total.engine_seconds = delta.finished, delta.engine_seconds
+                total.num_cached_tokens, total.prompt_logprobs = delta.num_cached_tokens, delta.prompt_logprobs

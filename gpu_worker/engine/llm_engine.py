@@ -18,6 +18,7 @@ from .loader import load_model
 from .model_config import ModelConfig, resolve_dtype, resolve_max_model_len
 from .model_runner import ModelRunner
 from .outputs import CompletionOutput, RequestOutput
+from .prompt_logprobs import PromptLogprobs
 from .sampler import SampledToken
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -37,6 +38,7 @@ class RequestState:
     arrival_time: float
     first_token_time: float | None = None
     engine_seconds: float = 0.0  # this request's share of measured step time, by tokens processed
+    prompt_logprobs: list[float | None] | None = None  # when asked for: entry 0 is None (nothing predicts it)
 
     @property
     def finished(self) -> bool:
@@ -132,8 +134,9 @@ class LLMEngine:
         for seq, choice in zip(seqs, resume or [], strict=False):
             seq.token_ids.extend(choice.token_ids)
             detokenizers[seq.index].skip(choice.token_ids, choice.text_emitted)
-        self.requests[request_id] = RequestState(request_id, prompt_ids, seqs, detokenizers,
-                                                 arrival_time=time.perf_counter())
+        self.requests[request_id] = RequestState(
+            request_id, prompt_ids, seqs, detokenizers, arrival_time=time.perf_counter(),
+            prompt_logprobs=None if params.prompt_logprobs is None else [None] * len(prompt_ids))
         for seq in queued:
             self.scheduler.add(seq)
 
@@ -162,13 +165,20 @@ class LLMEngine:
                 raise RuntimeError("no waiting request fits the free KV blocks and none is running")
             return []
         started = time.perf_counter()
-        sampled = self.runner.execute(out)
+        sampled, prompt_logprobs = self.runner.execute(out)
         elapsed = time.perf_counter() - started
+        self._record_prompt_logprobs(out, prompt_logprobs)
         self.scheduler.update(out, {k: v.token_id for k, v in sampled.items()}, self.eos_token_ids)
         self._attribute_step_time(out, elapsed)
         outputs = self._process_samples(out, sampled)
         self.scheduler.release_finished()
         return outputs
+
+    def _record_prompt_logprobs(self, out: SchedulerOutput, found: dict[int, PromptLogprobs]) -> None:
+        for chunk in out.chunks:
+            if (part := found.get(chunk.seq.seq_id)) is not None:
+                logprobs = self.requests[chunk.seq.group_id].prompt_logprobs
+                logprobs[part.first_position:part.first_position + len(part.values)] = part.values
 
     def _attribute_step_time(self, out: SchedulerOutput, elapsed: float) -> None:
         self.busy_seconds += elapsed
@@ -199,7 +209,8 @@ class LLMEngine:
             if state.finished:
                 del self.requests[request_id]
             results.append(RequestOutput(request_id, state.prompt_token_ids, completions, state.finished,
-                                         state.engine_seconds, max(s.num_cached_tokens for s in state.seqs)))
+                                         state.engine_seconds, max(s.num_cached_tokens for s in state.seqs),
+                                         state.prompt_logprobs))
         return results
 
     # ---- introspection --------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ import torch
 from .attention import AttentionMetadata, PrefillChunk, allocate_kv_cache
 from .kv_cache_manager import cdiv
 from .model import Transformer
+from .prompt_logprobs import PromptLogprobs, prompt_logprobs
 from .sampler import SampledToken, Sampler, SamplingBatch, position_uniform
 from .scheduler import ScheduledChunk, SchedulerOutput
 
@@ -22,11 +23,16 @@ class ModelRunner:
         self.sampler = Sampler()
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[int, SampledToken]:
+    def execute(self, out: SchedulerOutput) -> tuple[dict[int, SampledToken], dict[int, PromptLogprobs]]:
+        """The token sampled for each sequence whose chunk ends in a sample, and the prompt log-probabilities
+        of the chunks that asked for them, both by sequence id."""
         # Decode tokens first, shortest context first: attended in groups; then prefill chunks one by one.
         chunks = sorted(out.chunks, key=lambda c: (c.num_tokens != 1, c.start))
         input_ids, positions, meta = self._prepare(chunks)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        return self._sample(chunks, hidden), prompt_logprobs(self.model, chunks, hidden)
+
+    def _sample(self, chunks: list[ScheduledChunk], hidden: torch.Tensor) -> dict[int, SampledToken]:
         sample_rows, sampled_chunks, row = [], [], 0
         for chunk in chunks:
             row += chunk.num_tokens

@@ -35,6 +35,7 @@ class RequestOutput:
     finished: bool = False
     engine_seconds: float = 0.0  # so far: the request's share of measured step time, by tokens processed
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    prompt_logprobs: list[float | None] | None = None  # with SamplingParams(prompt_logprobs=0); entry 0 is None
 
     @property
     def token_ids(self) -> list[int]:

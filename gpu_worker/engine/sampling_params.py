@@ -27,6 +27,9 @@ class SamplingParams:
     max_tokens: int = 16
     ignore_eos: bool = False
     logprobs: int | None = None
+    # 0: the log-probability of each prompt token given the ones before it (perplexity). Such a request
+    # computes its whole prompt: it takes no blocks from the prefix cache.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -50,6 +53,9 @@ class SamplingParams:
             (self.max_tokens >= 1, "max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}"),
             (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
              f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"),
+            (self.prompt_logprobs in (None, 0), "prompt_logprobs",
+             f"prompt_logprobs must be 0 (each prompt token's own; top-N is not implemented), "
+             f"got {self.prompt_logprobs}"),
             (all(isinstance(s, str) and s for s in self.stop), "stop", "stop strings must be non-empty"),
         ]
         for ok, param, message in checks:

@@ -141,3 +141,11 @@ def test_an_event_log_nobody_drains_stays_bounded_and_says_it_overflowed():
     events, overflowed = log.drain()
     assert overflowed and len(events) <= 4
     assert log.drain() == ([], False)
+
+
+def test_the_offline_api_reports_the_prompt_tokens_served_from_the_prefix_cache(checkpoint):
+    llm = LLM(model=checkpoint, dtype="float32", kv_cache_memory_bytes=8 << 20)
+    prompt = list(range(3, 40))  # two full blocks of 16, then 5 tokens
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    assert llm.generate(prompt, params)[0].num_cached_tokens == 0
+    assert llm.generate(prompt, params)[0].num_cached_tokens == 32
