@@ -96,11 +96,11 @@ def ours_mixed(llm, work: Workload) -> dict:
 
 def run(args: argparse.Namespace) -> dict:
     from gpu_worker.engine import LLM
-    from gpu_worker.engine.builtin_models import resolve_model_dir
+    from gpu_worker.engine.checkpoint import resolve_model_path
 
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype]
-    model_dir = resolve_model_dir(args.model)
+    model_dir = resolve_model_path(args.model)
     peers = args.peer or ["hf", "hf-cb"]
     llm = LLM(str(model_dir), dtype=args.dtype.replace("bf16", "bfloat16").replace("fp32", "float32"),
               device=args.device)

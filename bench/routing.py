@@ -48,10 +48,9 @@ def kv_cache_bytes(model: str, dtype: str, tokens: int) -> int:
     import torch
 
     from gpu_worker.engine.attention import kv_cache_bytes_per_block
-    from gpu_worker.engine.builtin_models import resolve_model_dir
-    from gpu_worker.engine.model_config import ModelConfig
+    from gpu_worker.engine.checkpoint import open_checkpoint
 
-    config = ModelConfig.from_dir(resolve_model_dir(model))
+    config = open_checkpoint(model).config
     per_token = kv_cache_bytes_per_block(config.num_layers, 1, config.num_kv_heads, config.head_dim,
                                          getattr(torch, dtype))
     return per_token * tokens

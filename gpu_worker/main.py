@@ -9,7 +9,7 @@ from pathlib import Path
 
 from cache.response_cache import ResponseCache
 from gpu_worker.engine import AsyncLLMEngine, EngineConfig, LLMEngine
-from gpu_worker.engine.builtin_models import BUILTIN_MODELS
+from gpu_worker.engine.checkpoint import is_model_name
 from gpu_worker.metrics import WorkerMetrics
 from gpu_worker.service import Worker
 from services import protocol as p
@@ -21,7 +21,7 @@ from services.settings import CacheSettings, StreamSettings, WorkerSettings
 def served_name(settings: WorkerSettings) -> str:
     if settings.served_model_name:
         return settings.served_model_name
-    return settings.model if settings.model in BUILTIN_MODELS else Path(settings.model).name
+    return settings.model if is_model_name(settings.model) else Path(settings.model).stem
 
 
 async def serve(settings: WorkerSettings, redis_url: str) -> None:
@@ -30,7 +30,7 @@ async def serve(settings: WorkerSettings, redis_url: str) -> None:
                                     max_num_batched_tokens=settings.max_num_batched_tokens,
                                     kv_cache_memory_bytes=settings.kv_cache_memory_bytes))
     name = served_name(settings)
-    info = p.ModelInfo(name=name, model_dir=str(engine.model_dir), max_model_len=engine.max_model_len,
+    info = p.ModelInfo(name=name, model_dir=str(engine.model_path), max_model_len=engine.max_model_len,
                        tier=settings.tier, kv_block_size=engine.block_size)
     worker_id = f"{socket.gethostname()}-{os.getpid()}"
     metrics = WorkerMetrics(engine, name)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import logging
 
+from gpu_worker.engine.checkpoint import open_checkpoint
 from gpu_worker.engine.errors import ModelLoadError
 from gpu_worker.engine.tokenizer import Tokenizer
 from services import protocol as p
@@ -21,7 +22,7 @@ class PromptEncoder:
     @staticmethod
     def _load(model_dir: str) -> Tokenizer | None:
         try:
-            return Tokenizer(model_dir)
+            return open_checkpoint(model_dir).tokenizer()
         except ModelLoadError:  # the model's files are not on this host: route by load alone
             log.warning("no tokenizer at %s: routing without prefix matching", model_dir)
             return None

@@ -324,7 +324,7 @@ class PrefixChange(Message):
 
 class ModelInfo(BaseModel):
     name: str
-    model_dir: str
+    model_dir: str  # the checkpoint on the worker's host (an HF directory or a .gguf file): routers tokenize with it
     max_model_len: int
     tier: Annotated[str, Field(description="small / large / other")] = "other"
     kv_block_size: int = 16  # tokens per KV block: the router hashes prompts in blocks of this size

@@ -1,8 +1,8 @@
 """The two built-in checkpoints, made deterministically on first use and cached on disk.
 
 They are real HF-format Llama checkpoints (config.json, safetensors, tokenizer.json, chat template) with
-random weights: the stack runs end to end with no download, and their text is gibberish. Serve a real
-model by passing its directory instead (`--model /path/to/Llama-3.2-1B-Instruct`).
+random weights, for benchmarks and tests that need a fixed shape: their text is gibberish. The trained model
+served by default is a packaged one (`packaged_models.py`); any HF directory or GGUF file serves by its path.
 """
 
 from __future__ import annotations
@@ -12,8 +12,6 @@ import random
 import shutil
 import tempfile
 from pathlib import Path
-
-from .errors import ModelLoadError
 
 FORMAT_VERSION = "v1"
 VOCAB_SIZE = 32000
@@ -44,17 +42,6 @@ _SYLLABLES = [c + v for c in "bcdfghklmnprstvwz" for v in "aeiou"] + ["th", "sh"
 
 def cache_dir() -> Path:
     return Path(os.environ.get("TOKENFLEET_CACHE_DIR", Path.home() / ".cache" / "tokenfleet"))
-
-
-def resolve_model_dir(model: str) -> Path:
-    if model in BUILTIN_MODELS:
-        return ensure_builtin(model)
-    path = Path(model)
-    if not path.is_dir():
-        raise ModelLoadError(
-            f"model {model!r} is neither a built-in ({', '.join(BUILTIN_MODELS)}) nor a local HF directory"
-        )
-    return path
 
 
 def ensure_builtin(name: str) -> Path:

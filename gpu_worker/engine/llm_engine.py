@@ -9,13 +9,13 @@ from dataclasses import dataclass
 import torch
 
 from .attention import kv_cache_bytes_per_block
-from .builtin_models import resolve_model_dir
+from .checkpoint import open_checkpoint
 from .config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .errors import InvalidRequestError
 from .kv_cache_manager import KVCacheManager
 from .loader import load_model
-from .model_config import ModelConfig, resolve_dtype, resolve_max_model_len
+from .model_config import resolve_dtype, resolve_max_model_len
 from .model_runner import ModelRunner
 from .outputs import CompletionOutput, RequestOutput
 from .prompt_logprobs import PromptLogprobs
@@ -23,7 +23,6 @@ from .sampler import SampledToken
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from .sequence import ResumedChoice, Sequence
-from .tokenizer import Tokenizer
 
 # Prompt tokens the detokenizer decodes as context before the first output token (vLLM uses 5).
 DETOKENIZER_CONTEXT = 5
@@ -60,13 +59,13 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.device = torch.device(config.device)
-        self.model_dir = model_dir = resolve_model_dir(config.model)
-        self.model_config = ModelConfig.from_dir(model_dir)
+        checkpoint = open_checkpoint(config.model)
+        self.model_path, self.model_config = checkpoint.path, checkpoint.config
         self.dtype = resolve_dtype(config.dtype, self.model_config.checkpoint_dtype, self.device)
         self.max_model_len = resolve_max_model_len(self.model_config, config.max_model_len)
-        self.tokenizer = Tokenizer(model_dir)
+        self.tokenizer = checkpoint.tokenizer()
         self.eos_token_ids = self.model_config.eos_token_ids | self.tokenizer.eos_token_ids
-        model = load_model(model_dir, self.model_config, self.dtype, self.device)
+        model = load_model(checkpoint, self.dtype, self.device)
         num_blocks = self._num_blocks()
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(

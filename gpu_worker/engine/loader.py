@@ -1,14 +1,11 @@
-"""Loads HF-format safetensors checkpoints (single or sharded) into our `Transformer`."""
+"""Loads a checkpoint's weights (HF names and layout, whatever the file format) into our `Transformer`."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import torch
-from safetensors import safe_open
 
 from .attention import CpuPagedAttention
+from .checkpoint import Checkpoint
 from .errors import ModelLoadError
 from .kernels import cpu_kernels
 from .linear import pack_linears
@@ -24,17 +21,6 @@ _FUSED = {
     "mlp.gate_proj": ("mlp.gate_up_proj", 0),
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
 }
-
-
-def checkpoint_files(model_dir: Path) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [model_dir / s for s in shards]
-    single = model_dir / "model.safetensors"
-    if single.is_file():
-        return [single]
-    raise ModelLoadError(f"{model_dir} has no model.safetensors or model.safetensors.index.json")
 
 
 def _shard_sizes(cfg: ModelConfig, fused: str) -> list[int]:
@@ -53,23 +39,21 @@ def _target(name: str, cfg: ModelConfig) -> tuple[str, int | None]:
     return name, None
 
 
-def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> Transformer:
-    model_dir = Path(model_dir)
+def load_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device) -> Transformer:
+    cfg = checkpoint.config
     with torch.device("meta"):
         model = Transformer(cfg)
     model = model.to(dtype).to_empty(device=device)  # cast on meta: no full-precision copy on the device
     params = dict(model.named_parameters())
     loaded_rows: dict[str, int] = {}
-    for file in checkpoint_files(model_dir):
-        with safe_open(file, framework="pt", device="cpu") as f:
-            for hf_name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                _copy(f.get_tensor(hf_name), hf_name, params, loaded_rows, cfg)
+    for hf_name, tensor in checkpoint.tensors():
+        _copy(tensor, hf_name, params, loaded_rows, cfg)
     if cfg.tie_word_embeddings and "lm_head.weight" not in loaded_rows:
         model.lm_head.weight = model.embed_tokens.weight
         loaded_rows["lm_head.weight"] = model.lm_head.weight.shape[0]
     missing = [n for n, p in params.items() if loaded_rows.get(n, 0) != p.shape[0]]
     if missing:
-        raise ModelLoadError(f"checkpoint in {model_dir} lacks weights: {', '.join(missing[:8])}"
+        raise ModelLoadError(f"checkpoint {checkpoint.path} lacks weights: {', '.join(missing[:8])}"
                              + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
     # Built after the dtype cast: frequencies stay float32, as in HF.
     model.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)

@@ -1,20 +1,14 @@
-"""The checkpoint's own tokenizer and chat template (HF `tokenizer.json` / `tokenizer_config.json`)."""
+"""The checkpoint's own tokenizer and chat template, behind the few calls the engine and router make."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from .errors import InvalidRequestError, ModelLoadError
+from .errors import InvalidRequestError
 
 
 class Tokenizer:
-    def __init__(self, model_dir: str | Path):
-        from transformers import AutoTokenizer
-
-        try:
-            self.hf = AutoTokenizer.from_pretrained(str(model_dir))
-        except (OSError, ValueError) as exc:
-            raise ModelLoadError(f"cannot load the tokenizer in {model_dir}: {exc}") from exc
+    def __init__(self, hf):
+        """`hf`: a transformers fast tokenizer (from `tokenizer.json`, or built from a GGUF file's metadata)."""
+        self.hf = hf
 
     @property
     def eos_token_ids(self) -> frozenset[int]:

@@ -18,10 +18,8 @@ MULTIBYTE_TEXTS = [
 
 
 @pytest.fixture(scope="session")
-def tokenizer(hf_tokenizer, tmp_path_factory) -> Tokenizer:
-    model_dir = tmp_path_factory.mktemp("tokenizer")
-    hf_tokenizer.save_pretrained(model_dir)
-    return Tokenizer(model_dir)
+def tokenizer(hf_tokenizer) -> Tokenizer:
+    return Tokenizer(hf_tokenizer)
 
 
 def stream(tokenizer: Tokenizer, token_ids: list[int], stop: list[str] | None = None):
@@ -114,7 +112,7 @@ def test_a_running_sequence_holds_back_at_most_the_longest_stop_string_minus_one
 
 
 @pytest.fixture(scope="module")
-def sentencepiece_style_tokenizer(tmp_path_factory):
+def sentencepiece_style_tokenizer():
     """A Metaspace ("▁word") tokenizer like Llama-2's and Mistral's: decoding drops a leading space."""
     from tokenizers import Tokenizer as RawTokenizer
     from tokenizers import decoders, models, pre_tokenizers, trainers
@@ -125,9 +123,7 @@ def sentencepiece_style_tokenizer(tmp_path_factory):
     raw.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
     raw.train_from_iterator(["Hello world, the world says hello to the model"] * 50,
                             trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>"], show_progress=False))
-    out = tmp_path_factory.mktemp("sp-tokenizer")
-    PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>").save_pretrained(out)
-    return Tokenizer(out)
+    return Tokenizer(PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>"))
 
 
 def test_first_output_word_keeps_its_space_with_a_sentencepiece_style_tokenizer(sentencepiece_style_tokenizer):
