@@ -62,7 +62,7 @@ def ensure_builtin(name: str) -> Path:
     return target
 
 
-def _corpus(lines: int = 30000, seed: int = 0):
+def training_corpus(lines: int = 30000, seed: int = 0):
     rng = random.Random(seed)
     for _ in range(lines):
         words = [
@@ -84,7 +84,7 @@ def build_tokenizer():
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=SPECIAL_TOKENS, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(_corpus(), trainer=trainer)
+    tok.train_from_iterator(training_corpus(), trainer=trainer)
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<|begin_of_text|>", eos_token="<|im_end|>",
         pad_token="<|end_of_text|>", chat_template=CHAT_TEMPLATE,

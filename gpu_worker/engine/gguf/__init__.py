@@ -1,0 +1,1 @@
+"""GGUF checkpoints: reading llama.cpp's single-file format (metadata, tokenizer, quantized weights)."""
