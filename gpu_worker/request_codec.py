@@ -15,11 +15,13 @@ def prompt_ids(engine: LLMEngine, request: p.GenerateRequest) -> list[int]:
     return engine.encode_prompt(request.prompt if request.prompt is not None else "")
 
 
-def sampling_params(engine: LLMEngine, request: p.GenerateRequest, num_prompt_tokens: int) -> SamplingParams:
+def sampling_params(engine: LLMEngine, request: p.GenerateRequest, num_prompt_tokens: int,
+                    default_max_tokens: int | None = None) -> SamplingParams:
+    """A request that sets no max_tokens gets `default_max_tokens`, or the rest of the context (OpenAI's rule)."""
     options = request.sampling.model_dump()
     room = engine.max_model_len - num_prompt_tokens
     if options["max_tokens"] is None:
-        options["max_tokens"] = room
+        options["max_tokens"] = min(room, default_max_tokens or room)
     elif options["max_tokens"] > room:
         raise InvalidRequestError(
             f"this model's context is {engine.max_model_len} tokens; the prompt has {num_prompt_tokens} and "

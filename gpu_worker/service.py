@@ -173,7 +173,7 @@ class Worker:
         rid, engine = request.request_id, self.engine.engine
         try:
             ids = prompt_ids(engine, request)
-            params = sampling_params(engine, request, len(ids))
+            params = sampling_params(engine, request, len(ids), self.settings.default_max_tokens)
         except InvalidRequestError as err:
             error = p.ErrorBody(message=str(err), param=err.param, code="invalid_request", status=400)
             await self._close(delivery, rid, [p.ReplyChunk(kind="error", error=error, worker_id=self.worker_id)],

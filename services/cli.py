@@ -8,9 +8,13 @@ import sys
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from gpu_worker.engine import EngineConfig, InvalidRequestError, LLMEngine, SamplingParams
+    from gpu_worker.engine import EngineConfig, InvalidRequestError, LLMEngine, ModelLoadError, SamplingParams
 
-    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device))
+    try:
+        engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device))
+    except ModelLoadError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     prompt = (engine.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
               if args.chat else args.prompt)
     try:
@@ -47,6 +51,7 @@ BENCHMARKS = {
     "prefix": ("bench.prefix", "TTFT with a shared long prompt, prefix caching on vs off"),
     "routing": ("bench.routing", "cache- and load-aware worker choice vs round robin, two workers"),
     "semantic-cache": ("bench.semantic_cache", "semantic cache hit / wrong-hit rates on the shipped pairs"),
+    "quality": ("bench.quality", "perplexity, greedy agreement and task accuracy against a reference"),
 }
 
 
@@ -164,7 +169,7 @@ def _add_service_commands(sub) -> None:
                    ).set_defaults(func=_celery)
 
     worker = sub.add_parser("worker", help="a GPU worker serving one model")
-    worker.add_argument("--model", default=None, help="built-in name or HF model directory")
+    worker.add_argument("--model", default=None, help="a model name, an HF model directory or a .gguf file")
     worker.add_argument("--served-model-name", default=None)
     worker.add_argument("--device", default=None)
     worker.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
@@ -197,7 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="complete one prompt with the engine")
     gen.add_argument("prompt")
-    gen.add_argument("--model", default="tokenfleet-small", help="built-in name or HF model directory")
+    gen.add_argument("--model", default="smollm2-135m-instruct",
+                     help="a model name, an HF model directory or a .gguf file")
     gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     gen.add_argument("--device", default="cpu")
     gen.add_argument("--max-tokens", type=int, default=64)

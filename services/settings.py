@@ -14,6 +14,11 @@ from pydantic import AliasChoices, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
+def cache_dir() -> Path:
+    """Where the local stack keeps its files (ledger, dev key, built-in checkpoints): TOKENFLEET_CACHE_DIR."""
+    return Path(os.environ.get("TOKENFLEET_CACHE_DIR") or Path.home() / ".cache" / "tokenfleet")
+
+
 def _env(name: str) -> AliasChoices:
     return AliasChoices(f"TOKENFLEET_{name}", name)
 
@@ -48,8 +53,10 @@ class GatewaySettings(BaseSettings):
 
 class RouterSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TOKENFLEET_ROUTER_")
-    small_model: str = "tokenfleet-small"
-    large_model: str = "tokenfleet-large"
+    # Until quantization gives a cheaper variant, both tiers serve the one trained model we ship; set these to
+    # two served models (e.g. tokenfleet-small / tokenfleet-large) to route between them.
+    small_model: str = "smollm2-135m-instruct"
+    large_model: str = "smollm2-135m-instruct"
     # model="auto" goes to the small tier when the prompt and the requested output both fit under these.
     auto_max_prompt_tokens: int = 512
     auto_max_tokens: int = 256
@@ -94,22 +101,23 @@ class AccountingSettings(BaseSettings):
     def ledger_url(self) -> str:
         if self.database_url:
             return self.database_url
-        directory = Path(os.environ.get("TOKENFLEET_CACHE_DIR") or Path.home() / ".cache" / "tokenfleet")
+        directory = cache_dir()
         directory.mkdir(parents=True, exist_ok=True)
         return f"sqlite:///{directory / 'ledger.db'}"
 
 
 class WorkerSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TOKENFLEET_WORKER_")
-    model: str = "tokenfleet-small"  # built-in name or HF model directory
-    served_model_name: str | None = None  # default: the built-in name or the directory's name
-    tier: str = "other"
+    model: str = "smollm2-135m-instruct"  # a model name, an HF model directory or a .gguf file
+    served_model_name: str | None = None  # default: the model's name, or the directory's / file's name
+    tier: str = "other"  # small, large, or "small,large" for a model serving both
     worker_class: str | None = None  # prices its measured cost (see the price table); default: cpu or gpu
     device: str = "cpu"
     dtype: str = "auto"
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     kv_cache_memory_bytes: int | None = None
+    default_max_tokens: int | None = None  # for requests that set none; unset: the rest of the context
     heartbeat_interval_s: float = 0.5
     heartbeat_ttl_s: float = 2.0
     drain_timeout_s: float = 30.0  # on SIGTERM: finish in-flight work this long, then hand the rest back

@@ -13,7 +13,10 @@ import urllib.request
 from dataclasses import dataclass
 
 from services.redis_client import EmbeddedRedis
-from services.settings import GatewaySettings, RedisSettings, RouterSettings
+from services.settings import GatewaySettings, RedisSettings, RouterSettings, cache_dir
+
+# The local stack's max_tokens for requests that set none: a reply, not the rest of an 8k context.
+LOCAL_MAX_TOKENS = 256
 
 
 def wait_ready(url: str, models: set[str], procs: list[subprocess.Popen], timeout_s: float) -> bool:
@@ -60,6 +63,19 @@ class LocalStack:
             self.embedded.close()
 
 
+def local_dev_key() -> str:
+    """The local stack's API key, made once and kept in the cache directory (`cat ~/.cache/tokenfleet/dev-key`),
+    so scripts and the README's examples find it across restarts."""
+    path = cache_dir() / "dev-key"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        staging = path.with_suffix(f".{os.getpid()}")
+        staging.write_text("tf-dev-" + secrets.token_urlsafe(16) + "\n")
+        staging.chmod(0o600)
+        staging.replace(path)
+    return path.read_text().strip()
+
+
 def start(host: str, port: int, workers: list[tuple[str, str]], env: dict[str, str] | None = None,
           worker_env: dict[str, str] | None = None) -> LocalStack:
     """Gateway, router, accounting, its Celery worker and a worker process per (model, tier), on REDIS_URL or an
@@ -68,9 +84,9 @@ def start(host: str, port: int, workers: list[tuple[str, str]], env: dict[str, s
     redis_url = RedisSettings().redis_url
     embedded = None if redis_url else EmbeddedRedis()
     redis_url = redis_url or embedded.url
-    key = GatewaySettings().dev_key or "tf-dev-" + secrets.token_urlsafe(16)
-    env = {"TOKENFLEET_ACCOUNTING_PORT": str(port + 1), **os.environ, **(env or {}), "REDIS_URL": redis_url,
-           "TOKENFLEET_GATEWAY_DEV_KEY": key}
+    key = GatewaySettings().dev_key or local_dev_key()
+    env = {"TOKENFLEET_ACCOUNTING_PORT": str(port + 1), "TOKENFLEET_WORKER_DEFAULT_MAX_TOKENS": str(LOCAL_MAX_TOKENS),
+           **os.environ, **(env or {}), "REDIS_URL": redis_url, "TOKENFLEET_GATEWAY_DEV_KEY": key}
     cli = [sys.executable, "-m", "services.cli"]
     commands = [cli + ["gateway", "--host", host, "--port", str(port)], cli + ["router"], cli + ["accounting"],
                 cli + ["celery"]]
@@ -97,11 +113,14 @@ def up(host: str, port: int, workers: list[tuple[str, str]], ready_timeout_s: fl
         if not wait_ready(url, {model for model, _ in workers}, stack.procs, ready_timeout_s):
             print("tokenfleet: the stack did not become ready; stopping", file=sys.stderr)
             return 1
-        print(f"\ntokenfleet is up: {url}/v1  (Redis {stack.redis_url})\n  API key: {key}\n"
+        print(f"\ntokenfleet is up: {url}/v1  (Redis {stack.redis_url})\n  API key: {key}  "
+              f"(in {cache_dir() / 'dev-key'} unless TOKENFLEET_GATEWAY_DEV_KEY is set)\n"
+              f"  models: {', '.join(sorted({model for model, _ in workers}))} (and auto)\n"
               f"  finance API: http://{host}:{stack.env['TOKENFLEET_ACCOUNTING_PORT']}/v1/ledger\n"
               f"  try: curl {url}/v1/chat/completions -H 'Authorization: Bearer {key}' "
-              "-H 'Content-Type: application/json' -d '{\"model\": \"auto\", \"messages\": "
-              "[{\"role\": \"user\", \"content\": \"Hello!\"}]}'\nCtrl-C stops everything.", flush=True)
+              "-H 'Content-Type: application/json' -d '{\"model\": \"auto\", \"max_tokens\": 64, \"messages\": "
+              "[{\"role\": \"user\", \"content\": \"What is the capital of France?\"}]}'\n"
+              "Ctrl-C stops everything.", flush=True)
         while all(proc.poll() is None for proc in stack.procs):
             time.sleep(0.5)
         print("tokenfleet: a service exited; stopping the others", file=sys.stderr)
@@ -113,5 +132,8 @@ def up(host: str, port: int, workers: list[tuple[str, str]], ready_timeout_s: fl
 
 
 def default_workers() -> list[tuple[str, str]]:
+    """One worker per tier's model; one worker for both when they name the same model (the default)."""
     tiers = RouterSettings()
+    if tiers.small_model == tiers.large_model:
+        return [(tiers.small_model, "small,large")]
     return [(tiers.small_model, "small"), (tiers.large_model, "large")]

@@ -35,6 +35,18 @@ def test_generate_stream_prints_the_same_text(model_dir):
     assert streamed.stdout == plain.stdout
 
 
+def test_generate_answers_with_the_trained_default_model_in_its_chat_template():
+    proc = _tokenfleet("generate", "--chat", "What is the capital of France?")
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout
+
+
+def test_generate_names_a_model_that_is_neither_known_nor_a_path():
+    proc = _tokenfleet("generate", "--model", "no-such-model", "Hello")
+    assert proc.returncode == 2
+    assert "smollm2-135m-instruct" in proc.stderr and "no-such-model" in proc.stderr
+
+
 def test_generate_rejects_bad_input_with_a_message(model_dir):
     proc = _tokenfleet("generate", "--model", model_dir, "--max-tokens", "0", "Hello")
     assert proc.returncode == 2

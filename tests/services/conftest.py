@@ -31,6 +31,8 @@ STACK_ENV = {
     "TOKENFLEET_CLAIM_IDLE_MS": "1500",
     "TOKENFLEET_JANITOR_INTERVAL_S": "0.3",
     "TOKENFLEET_GATEWAY_DEV_KEY": API_KEY,
+    "TOKENFLEET_ROUTER_SMALL_MODEL": MODEL,  # model="auto" chooses between the built-ins here
+    "TOKENFLEET_ROUTER_LARGE_MODEL": "tokenfleet-large",
     "OMP_NUM_THREADS": "1",
 }
 

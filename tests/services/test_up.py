@@ -13,36 +13,49 @@ import openai
 import psutil
 import pytest
 
+from services.stack import LOCAL_MAX_TOKENS
 from tests.services.conftest import _free_port
 
 
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    """The stacks' own (ledger, dev key, compiled CPU kernels), shared so the kernels build once."""
+    return tmp_path_factory.mktemp("cache")
+
+
 @pytest.fixture
-def up_process(tmp_path):
+def up_process(cache_dir):
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "TOKENFLEET_REDIS_URL")}
+    env["TOKENFLEET_CACHE_DIR"] = str(cache_dir)
     proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--port", str(port)], env=env,
                             stdout=subprocess.PIPE, text=True)
-    yield proc, port
+    yield proc, port, cache_dir
     if proc.poll() is None:
         proc.kill()
 
 
 @pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
-def test_up_serves_both_built_in_models_on_embedded_redis_and_stops_everything_cleanly(up_process, stop):
-    proc, port = up_process
+def test_up_serves_the_trained_default_model_on_embedded_redis_and_stops_everything_cleanly(up_process, stop):
+    proc, port, cache = up_process
     key = None
     for line in proc.stdout:
         if match := re.search(r"API key: (\S+)", line):
             key = match.group(1)
             break
     assert key, "tokenfleet up printed no key"
+    assert (cache / "dev-key").read_text().strip() == key  # where the README's examples read it
     children = psutil.Process(proc.pid).children(recursive=True)
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key)
-    assert {m.id for m in client.models.list()} >= {"tokenfleet-small", "tokenfleet-large", "auto"}
-    for model in ("tokenfleet-small", "tokenfleet-large"):
-        reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}],
-                                               max_tokens=4)
-        assert reply.usage.completion_tokens == 4 and reply.model == model
+    models = {m.id: m for m in client.models.list()}
+    assert set(models) == {"smollm2-135m-instruct", "auto"}
+    assert models["smollm2-135m-instruct"].model_extra["tier"] == "small,large"  # one model serves both tiers
+    reply = client.chat.completions.create(model="auto", temperature=0, max_tokens=16,
+                                           messages=[{"role": "user", "content": "What is the capital of France?"}])
+    assert "Paris" in reply.choices[0].message.content and reply.model == "smollm2-135m-instruct"
+    unbounded = client.chat.completions.create(model="auto", temperature=0, extra_body={"ignore_eos": True},
+                                               messages=[{"role": "user", "content": "Tell me a long story."}])
+    assert unbounded.usage.completion_tokens == LOCAL_MAX_TOKENS  # the local stack's default, not 8k tokens
 
     proc.send_signal(stop)
     assert proc.wait(60) == 0
