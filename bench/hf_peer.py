@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
 
 from .workloads import Workload
 
 
-def load(model_dir, dtype: torch.dtype):
+def load(model_path, dtype: torch.dtype | str):
+    """An HF model directory, or a .gguf file (transformers dequantizes its weights to `dtype`)."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    path = Path(model_path)
+    if path.suffix == ".gguf":
+        return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
 
 
 def _generate(model, batch: list[list[int]], new_tokens: int) -> None:
