@@ -20,13 +20,19 @@ def load(model_path, dtype: torch.dtype | str):
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
 
 
-def _generate(model, batch: list[list[int]], new_tokens: int) -> None:
+def left_padded(batch: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input ids, attention mask) with left padding, as HF wants for generation."""
     width = max(len(p) for p in batch)
     ids = torch.zeros(len(batch), width, dtype=torch.long)
     mask = torch.zeros_like(ids)
-    for i, p in enumerate(batch):  # left padding, as HF wants for generation
+    for i, p in enumerate(batch):
         ids[i, width - len(p):] = torch.tensor(p)
         mask[i, width - len(p):] = 1
+    return ids, mask
+
+
+def _generate(model, batch: list[list[int]], new_tokens: int) -> None:
+    ids, mask = left_padded(batch)
     with torch.inference_mode():
         model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
                        min_new_tokens=new_tokens, pad_token_id=0)

@@ -119,12 +119,8 @@ class HFSide:
                 for tokens in self._generate(prompts[i:i + HF_BATCH], max_tokens, ignore_eos)]
 
     def _generate(self, batch: list[list[int]], max_tokens: int, ignore_eos: bool) -> list[list[int]]:
-        width = max(len(p) for p in batch)
-        ids = torch.zeros(len(batch), width, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, p in enumerate(batch):  # left padding, as HF wants for generation
-            ids[i, width - len(p):] = torch.tensor(p)
-            mask[i, width - len(p):] = 1
+        ids, mask = hf_peer.left_padded(batch)
+        width = ids.shape[1]
         # No eos at all with ignore_eos: like our engine, an eos token is then just another token.
         eos = None if ignore_eos else sorted(self.stop_ids)
         with torch.inference_mode():
