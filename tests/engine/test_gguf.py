@@ -38,8 +38,12 @@ def hf_gguf_greedy(path, prompts: list[list[int]], new_tokens: int) -> list[list
     return outs
 
 
-def ours_greedy(model: str, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    llm = LLM(model, dtype="float32", device=DEVICE, kv_cache_memory_bytes=64 << 20, max_model_len=1024)
+def float32_llm(model: str) -> LLM:
+    return LLM(model, dtype="float32", device=DEVICE, kv_cache_memory_bytes=64 << 20, max_model_len=1024)
+
+
+def ours_greedy(model: str | LLM, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    llm = float32_llm(model) if isinstance(model, str) else model
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     return [out.token_ids for out in llm.generate(prompts, params)]
 
@@ -83,19 +87,19 @@ def small_checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def smollm2():
-    return packaged_model_path(SMOLLM2)
+    """SmolLM2 loaded once for this module (float32: the exactness comparison's dtype)."""
+    return float32_llm(SMOLLM2)
 
 
 def test_the_shipped_smollm2_file_greedy_equals_hf_loading_the_same_file(smollm2):
-    tokenizer = open_checkpoint(smollm2).tokenizer()
+    tokenizer = open_checkpoint(SMOLLM2).tokenizer()  # built independently of the engine's
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
-    assert ours_greedy(SMOLLM2, prompts, 32) == hf_gguf_greedy(smollm2, prompts, 32)
+    assert ours_greedy(smollm2, prompts, 32) == hf_gguf_greedy(packaged_model_path(SMOLLM2), prompts, 32)
 
 
 def test_smollm2_answers_a_factual_question(smollm2):
-    llm = LLM(SMOLLM2, device=DEVICE)
-    prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
-    assert "Paris" in llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=16))[0].text
+    prompt = smollm2.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    assert "Paris" in smollm2.generate(prompt, SamplingParams(temperature=0.0, max_tokens=16))[0].text
 
 
 @pytest.mark.parametrize("tensor_type", [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q6_K],
