@@ -68,8 +68,8 @@ def _add_tokenizer(writer: gguf.GGUFWriter, model_dir: Path) -> None:
     added = tokenizer.get_added_tokens_decoder()
     writer.add_tokenizer_model("gpt2")
     # The converter names the pre-tokenizer by hashing how it splits a probe text, and knows no hash for a
-    # tokenizer trained here; ByteLevel with its default regex splits exactly as llama.cpp's "gpt2" does.
-    writer.add_tokenizer_pre("gpt2")
+    # tokenizer trained here; ByteLevel with its default regex splits exactly as llama.cpp's "gpt-2" does.
+    writer.add_tokenizer_pre("gpt-2")
     writer.add_token_list(sorted(vocab, key=vocab.__getitem__))
     writer.add_token_types([_token_type(added.get(token_id)) for token_id in sorted(vocab.values())])
     # Merges, bos/eos/pad ids and the chat template, read by gguf-py exactly as the converter reads them.
