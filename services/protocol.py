@@ -326,7 +326,7 @@ class ModelInfo(BaseModel):
     name: str
     model_dir: str  # the checkpoint on the worker's host (an HF directory or a .gguf file): routers tokenize with it
     max_model_len: int
-    tier: Annotated[str, Field(description="small / large / other")] = "other"
+    tier: Annotated[str, Field(description="small / large / small,large (both) / other")] = "other"
     kv_block_size: int = 16  # tokens per KV block: the router hashes prompts in blocks of this size
 
 

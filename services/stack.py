@@ -118,8 +118,8 @@ def up(host: str, port: int, workers: list[tuple[str, str]], ready_timeout_s: fl
               f"  models: {', '.join(sorted({model for model, _ in workers}))} (and auto)\n"
               f"  finance API: http://{host}:{stack.env['TOKENFLEET_ACCOUNTING_PORT']}/v1/ledger\n"
               f"  try: curl {url}/v1/chat/completions -H 'Authorization: Bearer {key}' "
-              "-H 'Content-Type: application/json' -d '{\"model\": \"auto\", \"max_tokens\": 64, \"messages\": "
-              "[{\"role\": \"user\", \"content\": \"What is the capital of France?\"}]}'\n"
+              "-H 'Content-Type: application/json' -d '{\"model\": \"auto\", \"max_tokens\": 64, \"temperature\": 0, "
+              "\"messages\": [{\"role\": \"user\", \"content\": \"What is the capital of France?\"}]}'\n"
               "Ctrl-C stops everything.", flush=True)
         while all(proc.poll() is None for proc in stack.procs):
             time.sleep(0.5)

@@ -17,6 +17,7 @@ import torch
 from ..errors import ModelLoadError
 from ..model_config import ModelConfig
 from ..tokenizer import Tokenizer
+from . import metadata
 from .dequantize import dequantize
 
 # general.architecture -> the HF architecture whose config and weight names the file maps to
@@ -53,7 +54,7 @@ class GgufCheckpoint:
             self.reader = gguf.GGUFReader(path)
         except (ValueError, OSError) as exc:
             raise ModelLoadError(f"{path} is not a readable GGUF file: {exc}") from exc
-        self.arch = self._string("general.architecture")
+        self.arch = metadata.required(self.reader, "general.architecture")
         if self.arch not in ARCHITECTURES:
             raise ModelLoadError(f"GGUF architecture {self.arch!r} is not supported; "
                                  f"supported: {', '.join(ARCHITECTURES)}")
@@ -76,21 +77,9 @@ class GgufCheckpoint:
 
     # ---- metadata ---------------------------------------------------------------------------------------
 
-    def _value(self, key: str, default=None):
-        field = self.reader.get_field(key)
-        return default if field is None else field.contents()
-
-    def _string(self, key: str) -> str:
-        value = self._value(key)
-        if value is None:
-            raise ModelLoadError(f"GGUF file {self.path} lacks metadata {key!r}")
-        return value
-
     def _hparam(self, key: str, default=None):
-        value = self._value(f"{self.arch}.{key}", default)
-        if value is None:
-            raise ModelLoadError(f"GGUF file {self.path} lacks metadata {self.arch}.{key!r}")
-        return value
+        key = f"{self.arch}.{key}"
+        return metadata.required(self.reader, key) if default is None else metadata.value(self.reader, key, default)
 
     def _config(self) -> ModelConfig:
         names = {t.name for t in self.reader.tensors}
@@ -98,10 +87,10 @@ class GgufCheckpoint:
             raise ModelLoadError("this GGUF file scales RoPE by per-frequency factors (rope_freqs, Llama-3.1 "
                                  "style), which tokenfleet does not read yet: serve the model's HF directory")
         hidden, heads = self._hparam("embedding_length"), self._hparam("attention.head_count")
-        scaling = self._value(f"{self.arch}.rope.scaling.type")
+        scaling = metadata.value(self.reader, f"{self.arch}.rope.scaling.type")
         if scaling not in (None, "none"):
             raise ModelLoadError(f"GGUF RoPE scaling {scaling!r} is not supported")
-        window = self._value(f"{self.arch}.attention.sliding_window")
+        window = metadata.value(self.reader, f"{self.arch}.attention.sliding_window")
         return ModelConfig(
             architecture=ARCHITECTURES[self.arch],
             hidden_size=hidden,
@@ -118,7 +107,8 @@ class GgufCheckpoint:
             qkv_bias="blk.0.attn_q.bias" in names,
             sliding_window=None if window is None else int(window),
             checkpoint_dtype=self._weight_dtype(),
-            eos_token_ids=frozenset(self._value(f"tokenizer.ggml.{key}_token_id") for key in ("eos", "eot")) - {None},
+            eos_token_ids=frozenset(metadata.value(self.reader, f"tokenizer.ggml.{key}_token_id")
+                                    for key in ("eos", "eot")) - {None},
         )
 
     def _vocab_size(self) -> int:

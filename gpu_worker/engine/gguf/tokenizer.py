@@ -14,6 +14,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 from transformers import PreTrainedTokenizerFast
 
 from ..errors import ModelLoadError
+from .metadata import required, value
 
 log = logging.getLogger(__name__)
 
@@ -56,44 +57,32 @@ _SPECIAL_TOKEN_KEYS = {
 
 def build_tokenizer(reader: gguf.GGUFReader) -> PreTrainedTokenizerFast:
     """The tokenizer the file describes, with its special tokens, BOS/EOS policy and chat template."""
-    kind = _value(reader, "tokenizer.ggml.model")
+    kind = value(reader, "tokenizer.ggml.model")
     builder = _BUILDERS.get(kind)
     if builder is None:
         raise ModelLoadError(f"cannot build a tokenizer for GGUF vocabulary {kind!r}; supported: {sorted(_BUILDERS)}")
-    tokens = _required(reader, "tokenizer.ggml.tokens")
+    tokens = required(reader, "tokenizer.ggml.tokens")
     backend = builder(reader, tokens)
-    _match_whole(backend, tokens, _value(reader, "tokenizer.ggml.token_type", []))
+    _match_whole(backend, tokens, value(reader, "tokenizer.ggml.token_type", []))
     special = {name: tokens[token_id] for name, key in _SPECIAL_TOKEN_KEYS.items()
-               if (token_id := _value(reader, key)) is not None}
+               if (token_id := value(reader, key)) is not None}
     # llama.cpp adds BOS to a SentencePiece vocabulary unless the file says otherwise, and to nothing else.
-    add_bos = _value(reader, "tokenizer.ggml.add_bos_token", kind == "llama")
+    add_bos = value(reader, "tokenizer.ggml.add_bos_token", kind == "llama")
     return PreTrainedTokenizerFast(
         tokenizer_object=backend,
-        chat_template=_value(reader, "tokenizer.chat_template"),
+        chat_template=value(reader, "tokenizer.chat_template"),
         add_bos_token=bool(add_bos) and "bos_token" in special,
-        add_eos_token=bool(_value(reader, "tokenizer.ggml.add_eos_token", False)) and "eos_token" in special,
+        add_eos_token=bool(value(reader, "tokenizer.ggml.add_eos_token", False)) and "eos_token" in special,
         **special,
     )
-
-
-def _value(reader: gguf.GGUFReader, key: str, default=None):
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
-
-
-def _required(reader: gguf.GGUFReader, key: str):
-    value = _value(reader, key)
-    if value is None:
-        raise ModelLoadError(f"the GGUF file has no {key}, which its tokenizer needs")
-    return value
 
 
 def _byte_level(reader: gguf.GGUFReader, tokens: list[str]) -> Tokenizer:
     """GPT-2 style BPE: tokens are spelled in the byte-to-unicode alphabet and the file lists the merges."""
     # "a b": tokens spell a space as "Ġ", so the one real space is the separator (llama.cpp cuts there too)
-    merges = [tuple(merge.split(" ", 1)) for merge in _required(reader, "tokenizer.ggml.merges")]
+    merges = [tuple(merge.split(" ", 1)) for merge in required(reader, "tokenizer.ggml.merges")]
     backend = Tokenizer(models.BPE({token: i for i, token in enumerate(tokens)}, merges))
-    pre = _value(reader, "tokenizer.ggml.pre", "default")
+    pre = value(reader, "tokenizer.ggml.pre", "default")
     splits = _SPLITS.get(pre)
     if splits is None:
         log.warning("unknown GGUF pre-tokenizer %r; splitting words as GPT-2 does", pre)
@@ -110,15 +99,15 @@ def _byte_level(reader: gguf.GGUFReader, tokens: list[str]) -> Tokenizer:
 def _sentencepiece(reader: gguf.GGUFReader, tokens: list[str]) -> Tokenizer:
     """SentencePiece BPE: "▁" for spaces, `<0xNN>` tokens for bytes no token covers, and no merges in the file."""
     vocab = {token: i for i, token in enumerate(tokens)}
-    unk_id = _value(reader, "tokenizer.ggml.unknown_token_id")
+    unk_id = value(reader, "tokenizer.ggml.unknown_token_id")
     backend = Tokenizer(models.BPE(
         vocab,
-        _merges_by_score(tokens, _required(reader, "tokenizer.ggml.scores")),
+        _merges_by_score(tokens, required(reader, "tokenizer.ggml.scores")),
         unk_token=None if unk_id is None else tokens[unk_id],
         fuse_unk=True,
         byte_fallback=True,
     ))
-    prefix = bool(_value(reader, "tokenizer.ggml.add_space_prefix", True))
+    prefix = bool(value(reader, "tokenizer.ggml.add_space_prefix", True))
     # As transformers does: only the start of the text gets the prefix space, not text after a special token
     # (llama.cpp prefixes both), and not a text already starting with a space (sentencepiece and llama.cpp do).
     backend.pre_tokenizer = pre_tokenizers.Metaspace(
