@@ -42,12 +42,37 @@ def read_bandwidth_gbs(device: torch.device, gib: float = 1.0, repeats: int = 5)
     return x.numel() * 4 / statistics.median(times) / 1e9
 
 
+def _weights(module: torch.nn.Module) -> dict[int, int]:
+    """Bytes by storage of the weights `module` serves from: dense parameters, or a quantized layer's kernel
+    and table (storages shared with another layer, as a tied LM head's, count once)."""
+    found: dict[int, int] = {}
+
+    def add(value, depth: int = 0) -> None:
+        if isinstance(value, torch.Tensor):
+            found[value.untyped_storage().data_ptr()] = value.untyped_storage().nbytes()
+        elif depth < 2 and hasattr(value, "__dict__"):
+            for item in vars(value).values():
+                add(item, depth + 1)
+
+    for m in module.modules():
+        for p in m.parameters(recurse=False):
+            add(p)
+        if getattr(m, "weight", True) is None:  # quantized: the kernel (or the table) holds the weight
+            add(getattr(m, "kernel", None))
+            add(getattr(m, "quantized", None))
+    return found
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    return sum(_weights(model).values())
+
+
 def weight_bytes_per_token(model: torch.nn.Module) -> int:
-    """Every weight is read once per decode step, except the embedding table (one row)."""
-    embed = model.embed_tokens.weight
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    tied = model.lm_head.weight is embed
-    return total if tied else total - embed.numel() * embed.element_size()
+    """Every weight is read once per decode step, except the embedding table (one row) when the LM head does
+    not share it."""
+    head = _weights(model.lm_head)
+    table_only = {k: v for k, v in _weights(model.embed_tokens).items() if k not in head}
+    return weight_bytes(model) - sum(table_only.values())
 
 
 def ours_batch1_tps(llm, work: Workload) -> float:

@@ -45,10 +45,12 @@ class Configuration:
     dtype: str = "auto"
     device: str = "cpu"
     engine: str = "tokenfleet"  # or "hf": transformers on the same checkpoint
+    quantization: str | None = None  # weights quantized at load time (int8, int4)
 
     @property
     def label(self) -> str:
-        return f"{self.engine} {self.model} {self.dtype} {self.device}"
+        quantized = f" {self.quantization}" if self.quantization else ""
+        return f"{self.engine} {self.model} {self.dtype}{quantized} {self.device}"
 
 
 @dataclass(frozen=True)
@@ -77,7 +79,7 @@ class EngineSide:
     def __init__(self, config: Configuration):
         from gpu_worker.engine import LLM
 
-        self.llm = LLM(config.model, dtype=config.dtype, device=config.device)
+        self.llm = LLM(config.model, dtype=config.dtype, device=config.device, quantization=config.quantization)
 
     def prompt_logprobs(self, windows: list[list[int]]) -> list[list[float]]:
         from gpu_worker.engine import SamplingParams
@@ -208,6 +210,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="built-in or packaged name, HF directory or .gguf file")
     p.add_argument("--dtype", default="bfloat16", choices=DTYPES)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--quantization", default=None, help="int8 / int4: weights quantized at load time")
     p.add_argument("--reference", default="tokenfleet", choices=["tokenfleet", "hf"],
                    help="the reference's engine: ours, or HF transformers on the same checkpoint")
     p.add_argument("--reference-model", default=None, help="default: --model (it must share its tokenizer)")
@@ -223,7 +226,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_from_args(args: argparse.Namespace) -> int:
-    config = Configuration(args.model, args.dtype, args.device)
+    config = Configuration(args.model, args.dtype, args.device, quantization=args.quantization)
     reference = Configuration(args.reference_model or args.model, args.reference_dtype,
                               args.reference_device or args.device, engine=args.reference)
     settings = Settings(windows=args.windows, window_len=args.window_len, prompts=args.num_prompts,

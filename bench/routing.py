@@ -47,12 +47,12 @@ def workload(args: argparse.Namespace) -> list[tuple[str, str]]:
 def kv_cache_bytes(model: str, dtype: str, tokens: int) -> int:
     import torch
 
-    from gpu_worker.engine.attention import kv_cache_bytes_per_block
     from gpu_worker.engine.checkpoint import open_checkpoint
+    from gpu_worker.engine.kv_cache_format import DenseKVFormat
 
     config = open_checkpoint(model).config
-    per_token = kv_cache_bytes_per_block(config.num_layers, 1, config.num_kv_heads, config.head_dim,
-                                         getattr(torch, dtype))
+    per_token = DenseKVFormat(getattr(torch, dtype)).bytes_per_block(config.num_layers, 1, config.num_kv_heads,
+                                                                     config.head_dim)
     return per_token * tokens
 
 

@@ -5,14 +5,16 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from pathlib import Path
 
 
 def _generate(args: argparse.Namespace) -> int:
     from gpu_worker.engine import EngineConfig, InvalidRequestError, LLMEngine, ModelLoadError, SamplingParams
 
     try:
-        engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device))
-    except ModelLoadError as err:
+        engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
+                                        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype))
+    except (ModelLoadError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     prompt = (engine.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
@@ -52,6 +54,7 @@ BENCHMARKS = {
     "routing": ("bench.routing", "cache- and load-aware worker choice vs round robin, two workers"),
     "semantic-cache": ("bench.semantic_cache", "semantic cache hit / wrong-hit rates on the shipped pairs"),
     "quality": ("bench.quality", "perplexity, greedy agreement and task accuracy against a reference"),
+    "quant": ("bench.quant", "int8 / int4 weights against bf16: bytes, quality and speed (and llama.cpp)"),
 }
 
 
@@ -114,7 +117,9 @@ def _worker(args: argparse.Namespace) -> int:
     from services.settings import WorkerSettings
 
     flags = {"model": args.model, "served_model_name": args.served_model_name, "device": args.device,
-             "dtype": args.dtype, "tier": args.tier, "metrics_port": args.metrics_port}
+             "dtype": args.dtype, "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
+             "tier": args.tier,
+             "metrics_port": args.metrics_port}
     return _run_service("worker", serve, WorkerSettings(**{k: v for k, v in flags.items() if v is not None}))
 
 
@@ -173,9 +178,21 @@ def _add_service_commands(sub) -> None:
     worker.add_argument("--served-model-name", default=None)
     worker.add_argument("--device", default=None)
     worker.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
+    worker.add_argument("--quantization", default=None,
+                        help="int8 / int4: quantize the weights at load time (a quantized checkpoint needs no flag)")
+    worker.add_argument("--kv-cache-dtype", default=None, help="auto (the serving dtype) or int8")
     worker.add_argument("--tier", default=None, help="small / large: the tiers model=auto chooses between")
     worker.add_argument("--metrics-port", type=int, default=None)
     worker.set_defaults(func=_worker)
+
+    quantize = sub.add_parser("quantize", help="write an int8 / int4 copy of a checkpoint that serves with no flag")
+    quantize.add_argument("--model", required=True, help="a model name, an HF directory or a .gguf file")
+    quantize.add_argument("--method", required=True, choices=["int8", "int4"])
+    quantize.add_argument("--group-size", type=int, default=128, help="int4: inputs per group of one scale")
+    quantize.add_argument("--calibration", type=Path, default=None,
+                          help="int4: text whose activations choose the AWQ scales (default: a shipped sample)")
+    quantize.add_argument("--out", type=Path, required=True)
+    quantize.set_defaults(func=_from_module("gpu_worker.engine.quantization.convert", "main"))
 
     keys = sub.add_parser("keys", help="API keys")
     keys_sub = keys.add_subparsers(dest="keys", required=True)
@@ -206,6 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="a model name, an HF model directory or a .gguf file")
     gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     gen.add_argument("--device", default="cpu")
+    gen.add_argument("--quantization", default=None, help="int8 / int4: quantize the weights at load time")
+    gen.add_argument("--kv-cache-dtype", default="auto", help="auto (the serving dtype) or int8")
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)

@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import AliasChoices, Field
+from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -114,6 +114,8 @@ class WorkerSettings(BaseSettings):
     worker_class: str | None = None  # prices its measured cost (see the price table); default: cpu or gpu
     device: str = "cpu"
     dtype: str = "auto"
+    quantization: str | None = None  # int8 / int4 weights quantized at load (a quantized checkpoint needs none)
+    kv_cache_dtype: str = "auto"  # int8: keys and values at 8 bits, ~1.9x the tokens in the same KV memory
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     kv_cache_memory_bytes: int | None = None
@@ -122,3 +124,9 @@ class WorkerSettings(BaseSettings):
     heartbeat_ttl_s: float = 2.0
     drain_timeout_s: float = 30.0  # on SIGTERM: finish in-flight work this long, then hand the rest back
     metrics_port: int = 0  # Prometheus /metrics on this port; 0 picks a free one, -1 serves none
+
+    @field_validator("quantization")
+    @classmethod
+    def _no_quantization(cls, value: str | None) -> str | None:
+        """An empty value (compose's `${VAR:-}`) or "none" means unquantized."""
+        return None if value is None or value.lower() in ("", "none") else value

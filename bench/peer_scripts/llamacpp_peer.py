@@ -1,5 +1,6 @@
 """Runs in the llama.cpp virtual environment: converts the checkpoint with the `convert_hf_to_gguf.py`
-shipped in llama-cpp-python's sdist, then measures batch-1 greedy decode."""
+shipped in llama-cpp-python's sdist (and quantizes it with llama.cpp's quantizer), then measures batch-1 greedy
+decode."""
 
 import json
 import statistics
@@ -46,15 +47,39 @@ c.main()
 """
 
 
-def ensure_gguf(model_dir: str, dtype: str, work_dir: Path, version: str) -> Path:
-    out = work_dir / "gguf" / f"{Path(model_dir).name}-{dtype}.gguf"
+# Our dtype names -> llama.cpp's file types (llama_ftype); the quantized ones are made with llama-quantize's API.
+FTYPES = {"fp32": "LLAMA_FTYPE_ALL_F32", "bf16": "LLAMA_FTYPE_MOSTLY_BF16", "q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0",
+          "q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0"}
+
+
+def ensure_gguf(model: str, dtype: str, work_dir: Path, version: str) -> Path:
+    """The checkpoint as a GGUF file of `dtype`: an HF directory converted with llama.cpp's script, a GGUF file
+    (or a conversion) requantized with llama.cpp's own quantizer."""
+    out = work_dir / "gguf" / f"{Path(model).stem}-{dtype}.gguf"
     if out.is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    src = converter_dir(work_dir, version)
-    code = CONVERT.format(gguf_py=str(src / "gguf-py"), model=model_dir, out=str(out),
-                          outtype={"bf16": "bf16", "fp32": "f32"}[dtype], src=str(src))
-    subprocess.run([sys.executable, "-c", code], check=True, stdout=subprocess.DEVNULL)
+    if model.endswith(".gguf"):
+        return quantize(Path(model), out, dtype)
+    float_type = dtype if dtype in ("bf16", "fp32") else "bf16"
+    converted = out if float_type == dtype else out.with_name(f"{Path(model).stem}-{float_type}.gguf")
+    if not converted.is_file():
+        src = converter_dir(work_dir, version)
+        code = CONVERT.format(gguf_py=str(src / "gguf-py"), model=model, out=str(converted),
+                              outtype={"bf16": "bf16", "fp32": "f32"}[float_type], src=str(src))
+        subprocess.run([sys.executable, "-c", code], check=True, stdout=subprocess.DEVNULL)
+    return converted if converted == out else quantize(converted, out, dtype)
+
+
+def quantize(source: Path, out: Path, dtype: str) -> Path:
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, FTYPES[dtype])
+    params.allow_requantize = True  # a quantized source (SmolLM2 ships as Q4_1) is requantized from its values
+    params.nthread = 2
+    if llama_cpp.llama_model_quantize(str(source).encode(), str(out).encode(), params) != 0:
+        raise RuntimeError(f"llama.cpp could not quantize {source} to {dtype}")
     return out
 
 

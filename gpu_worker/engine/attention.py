@@ -117,11 +117,6 @@ def _huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor
     return raw[offset:offset + nbytes].view(dtype).view(shape).zero_()
 
 
-def kv_cache_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-                             dtype: torch.dtype) -> int:
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
-
-
 class TorchPagedAttention:
     def __init__(self, scale: float):
         self.scale = scale
@@ -129,44 +124,44 @@ class TorchPagedAttention:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KVH, D]; kv_cache: [2, blocks, KVH, block_size, D]. Returns [T, H, D]."""
-        k_cache, v_cache = kv_cache[0], kv_cache[1]
-        self.write_kv(k, v, k_cache, v_cache, meta)
+        self.write_kv(k, v, kv_cache, meta)
         if not meta.prefills:  # decode-only steps (batch-1 latency) skip the scatter into `out`
-            return self.decode(q, k_cache, v_cache, meta)
+            return self.decode(q, kv_cache, meta)
         out = torch.empty_like(q)
         if meta.num_decodes:
-            out[:meta.num_decodes] = self.decode(q[:meta.num_decodes], k_cache, v_cache, meta)
+            out[:meta.num_decodes] = self.decode(q[:meta.num_decodes], kv_cache, meta)
         for chunk in meta.prefills:
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
-            out[rows] = self._prefill(q[rows], k[rows], v[rows], k_cache, v_cache, chunk)
+            out[rows] = self._prefill(q[rows], k[rows], v[rows], kv_cache, chunk)
         return out
 
-    def write_kv(self, k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
-        k_cache[meta.slot_blocks, :, meta.slot_offsets] = k
-        v_cache[meta.slot_blocks, :, meta.slot_offsets] = v
+    def write_kv(self, k, v, kv_cache, meta: AttentionMetadata) -> None:
+        kv_cache[0][meta.slot_blocks, :, meta.slot_offsets] = k
+        kv_cache[1][meta.slot_blocks, :, meta.slot_offsets] = v
 
-    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-        return torch.cat([self._decode_group(q[g.start:g.end], k_cache, v_cache, g) for g in meta.decode_groups])
+    def gather(self, kv_cache, block_tables: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of `length` tokens through each row's block table: [B, KVH, length, D] each."""
+        return _gather(kv_cache[0], block_tables, length), _gather(kv_cache[1], block_tables, length)
 
-    def _decode_group(self, q, k_cache, v_cache, group: DecodeGroup) -> torch.Tensor:
-        keys = _gather(k_cache, group.block_tables, group.max_context)  # [B, KVH, L, D]
-        values = _gather(v_cache, group.block_tables, group.max_context)
-        out = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=group.mask,
-                                             scale=self.scale, enable_gqa=True)
+    def decode(self, q, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        return torch.cat([self._decode_group(q[g.start:g.end], kv_cache, g) for g in meta.decode_groups])
+
+    def _decode_group(self, q, kv_cache, group: DecodeGroup) -> torch.Tensor:
+        keys, values = self.gather(kv_cache, group.block_tables, group.max_context)
+        out = F.scaled_dot_product_attention(q[:, :, None, :], keys.to(q.dtype), values.to(q.dtype),
+                                             attn_mask=group.mask, scale=self.scale, enable_gqa=True)
         return out[:, :, 0, :]
 
-    def _prefill(self, q, k, v, k_cache, v_cache, chunk: PrefillChunk) -> torch.Tensor:
+    def _prefill(self, q, k, v, kv_cache, chunk: PrefillChunk) -> torch.Tensor:
         q = q.transpose(0, 1)[None]
         if chunk.mask is None:  # nothing cached before this chunk: attend to it alone
             keys, values = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
             out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=self.scale,
                                                  enable_gqa=True)
         else:
-            tables = chunk.block_table[None]
-            keys = _gather(k_cache, tables, chunk.context_len)
-            values = _gather(v_cache, tables, chunk.context_len)
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=chunk.mask, scale=self.scale,
-                                                 enable_gqa=True)
+            keys, values = self.gather(kv_cache, chunk.block_table[None], chunk.context_len)
+            out = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=chunk.mask,
+                                                 scale=self.scale, enable_gqa=True)
         return out[0].transpose(0, 1)
 
 
@@ -181,12 +176,13 @@ class CpuPagedAttention(TorchPagedAttention):
     def supports(kernels, dtype: torch.dtype, device: torch.device, head_dim: int) -> bool:
         return kernels is not None and dtype == torch.bfloat16 and device.type == "cpu" and head_dim % 32 == 0
 
-    def write_kv(self, k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
-        self.kernels.write_kv_bf16(k, v, k_cache, v_cache, meta.slot_blocks, meta.slot_offsets)
+    def write_kv(self, k, v, kv_cache, meta: AttentionMetadata) -> None:
+        self.kernels.write_kv_bf16(k, v, kv_cache[0], kv_cache[1], meta.slot_blocks, meta.slot_offsets)
 
-    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-        return self.kernels.paged_decode_attention_bf16(q.contiguous(), k_cache, v_cache, meta.decode_block_tables,
-                                                        meta.decode_context_lens, self.scale)
+    def decode(self, q, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        return self.kernels.paged_decode_attention_bf16(q.contiguous(), kv_cache[0], kv_cache[1],
+                                                        meta.decode_block_tables, meta.decode_context_lens,
+                                                        self.scale)
 
 
 def _gather(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:

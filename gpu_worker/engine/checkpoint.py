@@ -18,12 +18,14 @@ from .builtin_models import BUILTIN_MODELS, ensure_builtin
 from .errors import ModelLoadError
 from .model_config import ModelConfig
 from .packaged_models import PACKAGED_MODELS, packaged_model_path
+from .quantization.formats import CheckpointFormat, read_checkpoint_format
 from .tokenizer import Tokenizer
 
 
 class Checkpoint(Protocol):
     path: Path
     config: ModelConfig
+    quantization: CheckpointFormat | None  # how its linears' weights are stored when they are quantized
 
     def tokenizer(self) -> Tokenizer: ...
 
@@ -35,6 +37,7 @@ class HFCheckpoint:
     def __init__(self, model_dir: Path):
         self.path = model_dir
         self.config = ModelConfig.from_dir(model_dir)
+        self.quantization = read_checkpoint_format(model_dir, json.loads((model_dir / "config.json").read_text()))
 
     def tokenizer(self) -> Tokenizer:
         from transformers import AutoTokenizer

@@ -19,3 +19,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # default: the model's positions (its sliding window, if smaller)
     enable_prefix_caching: bool = True  # reuse the KV blocks of prompt prefixes seen before
+    # Weights quantized at load time (int8, int4) when the checkpoint is not quantized itself; a quantized
+    # checkpoint is served as it is, with no flag (a flag naming another method is refused).
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"  # or int8: keys and values at 8 bits with a scale per token and head

@@ -8,11 +8,15 @@ faster still. The reference stays the default everywhere else and is what exactn
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .kernels import cpu_kernels
+from .quantization.kernels import quantized_linear_kernel
+from .quantization.weights import QuantizedWeight
 
 # The row count oneDNN tunes the packed layout for; it serves every row count correctly.
 PACKING_BATCH_HINT = 128
@@ -35,24 +39,49 @@ class OneDnnPackedLinearKernel:
 
     @staticmethod
     def supports(weight: torch.Tensor) -> bool:
-        return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16
-                and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+        return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and onednn_packs_bf16()
+
+
+@functools.cache
+def onednn_packs_bf16() -> bool:
+    """oneDNN packs bf16 weights only on CPUs with native bf16 support (AVX512-BF16/AMX or AVX-NE-CONVERT);
+    on plain AVX2 hosts it refuses, and the reference serves."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(32, 32, dtype=torch.bfloat16), PACKING_BATCH_HINT)
+    except RuntimeError:
+        return False
+    return True
 
 
 class Linear(nn.Linear):
-    """`nn.Linear` whose matmul is done by a swappable kernel (the reference until `pack` is called)."""
+    """`nn.Linear` whose matmul is done by a swappable kernel (the reference until `pack` or `quantize`).
+
+    A quantized linear drops its dense weight (`weight` is None); its kernel holds the quantized one."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__(in_features, out_features, bias=bias)
         self.kernel = TorchLinearKernel()
+
+    @property
+    def weight_shape(self) -> tuple[int, int]:
+        return self.out_features, self.in_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernel(x, self.weight, self.bias)
 
     def pack(self) -> None:
         """Prepack the loaded weight for the CPU kernel; the original stays for tied embeddings."""
-        if OneDnnPackedLinearKernel.supports(self.weight):
+        if self.weight is not None and OneDnnPackedLinearKernel.supports(self.weight):
             self.kernel = OneDnnPackedLinearKernel(self.weight)
+
+    def quantize(self, weight: QuantizedWeight, dtype: torch.dtype, device: torch.device) -> None:
+        if tuple(weight.shape) != (self.out_features, self.in_features):
+            raise ValueError(f"quantized weight of shape {tuple(weight.shape)} for a linear of "
+                             f"{(self.out_features, self.in_features)}")
+        self.kernel = quantized_linear_kernel(weight.to(device), dtype, device)
+        self.weight = None
 
 
 def pack_linears(model: nn.Module) -> None:

@@ -2,27 +2,31 @@
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from dataclasses import dataclass
 
 import torch
 
-from .attention import kv_cache_bytes_per_block
 from .checkpoint import open_checkpoint
 from .config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .errors import InvalidRequestError
+from .kv_cache_format import kv_cache_format
 from .kv_cache_manager import KVCacheManager
 from .loader import load_model
 from .model_config import resolve_dtype, resolve_max_model_len
 from .model_runner import ModelRunner
 from .outputs import CompletionOutput, RequestOutput
 from .prompt_logprobs import PromptLogprobs
+from .quantization.methods import load_time_quantizer
 from .sampler import SampledToken
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from .sequence import ResumedChoice, Sequence
+
+log = logging.getLogger(__name__)
 
 # Prompt tokens the detokenizer decodes as context before the first output token (vLLM uses 5).
 DETOKENIZER_CONTEXT = 5
@@ -65,13 +69,19 @@ class LLMEngine:
         self.max_model_len = resolve_max_model_len(self.model_config, config.max_model_len)
         self.tokenizer = checkpoint.tokenizer()
         self.eos_token_ids = self.model_config.eos_token_ids | self.tokenizer.eos_token_ids
-        model = load_model(checkpoint, self.dtype, self.device)
+        quantizer = load_time_quantizer(config.quantization, checkpoint.quantization, self.device)
+        self.kv_format = kv_cache_format(config.kv_cache_dtype, self.dtype, self.device)
+        model = load_model(checkpoint, self.dtype, self.device, quantizer, self.kv_format)
         num_blocks = self._num_blocks()
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len), self.kv
         )
-        self.runner = ModelRunner(model, num_blocks, config.block_size, self.device)
+        self.runner = ModelRunner(model, num_blocks, config.block_size, self.kv_format, self.device)
+        log.info("%s: %s weights%s, KV cache %s: %d blocks of %d tokens (%d tokens)", self.model_path, self.dtype,
+                 f" quantized ({quantizer.bits}-bit at load)" if quantizer else
+                 f" quantized ({checkpoint.quantization.name})" if checkpoint.quantization else "",
+                 self.kv_format.name, num_blocks, config.block_size, num_blocks * config.block_size)
         self.requests: dict[str, RequestState] = {}
         self.busy_seconds = 0.0
         self._seq_counter = 0
@@ -79,8 +89,8 @@ class LLMEngine:
 
     def _num_blocks(self) -> int:
         cfg = self.model_config
-        per_block = kv_cache_bytes_per_block(cfg.num_layers, self.config.block_size, cfg.num_kv_heads,
-                                             cfg.head_dim, self.dtype)
+        per_block = self.kv_format.bytes_per_block(cfg.num_layers, self.config.block_size, cfg.num_kv_heads,
+                                                   cfg.head_dim)
         budget = self.config.kv_cache_memory_bytes
         if budget is None and self.device.type == "cuda":
             torch.cuda.empty_cache()

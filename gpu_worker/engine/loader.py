@@ -1,16 +1,25 @@
-"""Loads a checkpoint's weights (HF names and layout, whatever the file format) into our `Transformer`."""
+"""Loads a checkpoint's weights (HF names and layout, whatever the file format) into our `Transformer`.
+
+Dense weights are copied into place (q/k/v and gate/up into their fused parameters). A pre-quantized
+checkpoint's linears arrive as several tensors each (`qweight`, `scales`, ...): its format turns them into
+one quantized weight per shard, and the fused linear is quantized once all its shards are in. With a
+`quantizer`, dense weights are quantized at load time instead. Linear weights are allocated only when a
+dense tensor arrives for them, so a quantized model never holds a dense copy.
+"""
 
 from __future__ import annotations
 
 import torch
+from torch import nn
 
-from .attention import CpuPagedAttention
 from .checkpoint import Checkpoint
 from .errors import ModelLoadError
-from .kernels import cpu_kernels
-from .linear import pack_linears
-from .model import Transformer
+from .kv_cache_format import DenseKVFormat, KVCacheFormat
+from .linear import Linear, pack_linears
+from .model import Embedding, Transformer
 from .model_config import ModelConfig
+from .quantization.methods import WeightQuantizer
+from .quantization.weights import QuantizedWeight, concat_rows
 from .rope import RotaryEmbedding
 
 # HF name fragment -> (our fused parameter fragment, shard index)
@@ -23,7 +32,7 @@ _FUSED = {
 }
 
 
-def _shard_sizes(cfg: ModelConfig, fused: str) -> list[int]:
+def shard_sizes(cfg: ModelConfig, fused: str) -> list[int]:
     if fused.endswith("qkv_proj"):
         kv = cfg.num_kv_heads * cfg.head_dim
         return [cfg.num_heads * cfg.head_dim, kv, kv]
@@ -35,51 +44,116 @@ def _target(name: str, cfg: ModelConfig) -> tuple[str, int | None]:
     name = name.removeprefix("model.")
     for hf, (ours, shard) in _FUSED.items():
         if f".{hf}." in name:
-            return name.replace(hf, ours), sum(_shard_sizes(cfg, ours)[:shard])
+            return name.replace(hf, ours), sum(shard_sizes(cfg, ours)[:shard])
     return name, None
 
 
-def load_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device) -> Transformer:
+def load_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device,
+               quantizer: WeightQuantizer | None = None, kv_format: KVCacheFormat | None = None) -> Transformer:
     cfg = checkpoint.config
     with torch.device("meta"):
         model = Transformer(cfg)
-    model = model.to(dtype).to_empty(device=device)  # cast on meta: no full-precision copy on the device
-    params = dict(model.named_parameters())
-    loaded_rows: dict[str, int] = {}
+    model = model.to(dtype)  # cast on meta: no full-precision copy on the device
+    for module in model.modules():
+        if not isinstance(module, Linear):
+            module.to_empty(device=device, recurse=False)
+    loading = _Loading(model, cfg, dtype, device)
+    fmt = getattr(checkpoint, "quantization", None)
+    parts: dict[str, dict[str, torch.Tensor]] = {}  # each quantized module's tensors (qweight, scales...)
     for hf_name, tensor in checkpoint.tensors():
-        _copy(tensor, hf_name, params, loaded_rows, cfg)
-    if cfg.tie_word_embeddings and "lm_head.weight" not in loaded_rows:
-        model.lm_head.weight = model.embed_tokens.weight
-        loaded_rows["lm_head.weight"] = model.lm_head.weight.shape[0]
-    missing = [n for n, p in params.items() if loaded_rows.get(n, 0) != p.shape[0]]
-    if missing:
-        raise ModelLoadError(f"checkpoint {checkpoint.path} lacks weights: {', '.join(missing[:8])}"
-                             + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+        module, _, suffix = hf_name.rpartition(".")
+        if fmt is not None and suffix in fmt.tensor_names():
+            parts.setdefault(module, {})[suffix] = tensor
+        else:
+            loading.copy(hf_name, tensor)
+    for module, tensors in parts.items():
+        missing = set(fmt.required_names(tensors)) - set(tensors)
+        if missing:
+            raise ModelLoadError(f"checkpoint {checkpoint.path}: quantized {module} lacks {', '.join(sorted(missing))}")
+        loading.add_quantized(f"{module}.weight", fmt.read(tensors))
+    loading.finish(checkpoint)
+    if quantizer is not None:
+        quantize_model(model, quantizer, dtype, device)
     # Built after the dtype cast: frequencies stay float32, as in HF.
     model.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)
-    use_cpu_kernels(model, dtype, device)
+    pack_linears(model)
+    (kv_format or DenseKVFormat(dtype)).install(model, device)
     return model.eval()
 
 
-def use_cpu_kernels(model: Transformer, dtype: torch.dtype, device: torch.device) -> None:
-    """bf16 on CPU: prepacked / native linear kernels and paged decode attention from the cache."""
-    pack_linears(model)
-    kernels = cpu_kernels() if device.type == "cpu" and dtype == torch.bfloat16 else None
-    if CpuPagedAttention.supports(kernels, dtype, device, model.config.head_dim):
-        for layer in model.layers:
-            layer.self_attn.attn = CpuPagedAttention(layer.self_attn.attn.scale, kernels)
+class _Loading:
+    """Where each checkpoint tensor goes, and what has arrived so far."""
+
+    def __init__(self, model: Transformer, cfg: ModelConfig, dtype: torch.dtype, device: torch.device):
+        self.model, self.cfg, self.dtype, self.device = model, cfg, dtype, device
+        self.modules = dict(model.named_modules())
+        self.loaded_rows: dict[str, int] = {}
+        self.shards: dict[str, dict[int, QuantizedWeight]] = {}  # our weight name -> {row offset: shard}
+
+    def _parameter(self, name: str) -> nn.Parameter:
+        module_name, _, attr = name.rpartition(".")
+        module = self.modules.get(module_name)
+        param = getattr(module, attr, None) if module is not None else None
+        if not isinstance(param, nn.Parameter):
+            raise ModelLoadError(f"checkpoint weight {name!r} has no place in {self.cfg.architecture}")
+        if param.is_meta:  # a linear's dense weight: allocated when it arrives
+            param = nn.Parameter(torch.empty(param.shape, dtype=self.dtype, device=self.device), requires_grad=False)
+            setattr(module, attr, param)
+        return param
+
+    def copy(self, hf_name: str, tensor: torch.Tensor) -> None:
+        if hf_name.endswith("rotary_emb.inv_freq"):
+            return
+        name, offset = _target(hf_name, self.cfg)
+        param = self._parameter(name)
+        rows = param.data if offset is None else param.data[offset:offset + tensor.shape[0]]
+        if rows.shape != tensor.shape:
+            raise ModelLoadError(f"weight {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(rows.shape)}")
+        with torch.no_grad():
+            rows.copy_(tensor)
+        self.loaded_rows[name] = self.loaded_rows.get(name, 0) + tensor.shape[0]
+
+    def add_quantized(self, hf_name: str, weight: QuantizedWeight) -> None:
+        name, offset = _target(hf_name, self.cfg)
+        if not isinstance(self.modules.get(name.removesuffix(".weight")), Linear | Embedding):
+            raise ModelLoadError(f"quantized weight {hf_name!r} has no place in {self.cfg.architecture}")
+        self.shards.setdefault(name, {})[offset or 0] = weight
+        self.loaded_rows[name] = self.loaded_rows.get(name, 0) + weight.shape[0]
+
+    def finish(self, checkpoint: Checkpoint) -> None:
+        missing = []
+        for name, shards in self.shards.items():
+            module = self.modules[name.removesuffix(".weight")]
+            if sum(w.shape[0] for w in shards.values()) != module.weight_shape[0]:
+                missing.append(name)  # a fused linear with a shard missing
+                continue
+            try:
+                module.quantize(concat_rows([shards[k] for k in sorted(shards)]), self.dtype, self.device)
+            except ValueError as exc:
+                raise ModelLoadError(f"{checkpoint.path}: {name}: {exc}") from exc
+        if self.cfg.tie_word_embeddings and "lm_head.weight" not in self.loaded_rows:
+            _tie_lm_head(self.model, self.dtype, self.device)
+            self.loaded_rows["lm_head.weight"] = self.cfg.vocab_size
+        missing += [n for n, p in self.model.named_parameters()
+                    if p.is_meta or self.loaded_rows.get(n, 0) != p.shape[0]]
+        if missing:
+            raise ModelLoadError(f"checkpoint {checkpoint.path} lacks weights: {', '.join(missing[:8])}"
+                                 + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
 
 
-def _copy(tensor: torch.Tensor, hf_name: str, params: dict, loaded_rows: dict, cfg: ModelConfig) -> None:
-    if hf_name.endswith("rotary_emb.inv_freq"):
-        return
-    name, offset = _target(hf_name, cfg)
-    if name not in params:
-        raise ModelLoadError(f"checkpoint weight {hf_name!r} has no place in {cfg.architecture}")
-    param = params[name]
-    rows = param.data if offset is None else param.data[offset:offset + tensor.shape[0]]
-    if rows.shape != tensor.shape:
-        raise ModelLoadError(f"weight {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(rows.shape)}")
-    with torch.no_grad():
-        rows.copy_(tensor)
-    loaded_rows[name] = loaded_rows.get(name, 0) + tensor.shape[0]
+def _tie_lm_head(model: Transformer, dtype: torch.dtype, device: torch.device) -> None:
+    if model.embed_tokens.quantized is not None:
+        model.lm_head.quantize(model.embed_tokens.quantized, dtype, device)
+    else:
+        model.lm_head.weight = model.embed_tokens.weight
+
+
+def quantize_model(model: Transformer, quantizer: WeightQuantizer, dtype: torch.dtype, device: torch.device) -> None:
+    """Quantizes every linear and the embedding table in place (a tied LM head shares the table's weight)."""
+    tied = model.lm_head.weight is model.embed_tokens.weight
+    table = quantizer.for_table(tied)(model.embed_tokens.weight.detach())
+    model.embed_tokens.quantize(table, dtype, device)
+    for module in model.modules():
+        if isinstance(module, Linear) and module.weight is not None:
+            module.quantize(table if tied and module is model.lm_head else quantizer(module.weight.detach()),
+                            dtype, device)

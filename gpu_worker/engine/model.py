@@ -13,7 +13,29 @@ from . import ops
 from .attention import AttentionMetadata, TorchPagedAttention
 from .linear import Linear
 from .model_config import ModelConfig
+from .quantization.weights import QuantizedWeight
 from .rope import RotaryEmbedding
+
+
+class Embedding(nn.Embedding):
+    """`nn.Embedding` whose table may be quantized: rows are then dequantized as they are looked up."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int):
+        super().__init__(num_embeddings, embedding_dim)
+        self.quantized: QuantizedWeight | None = None
+
+    @property
+    def weight_shape(self) -> tuple[int, int]:
+        return self.num_embeddings, self.embedding_dim
+
+    def quantize(self, weight: QuantizedWeight, dtype: torch.dtype, device: torch.device) -> None:
+        self.quantized, self.dtype = weight.to(device), dtype
+        self.weight = None
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.quantized is None:
+            return super().forward(ids)
+        return self.quantized.rows(ids).to(self.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -82,7 +104,7 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)

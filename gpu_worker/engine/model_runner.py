@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .attention import AttentionMetadata, PrefillChunk, allocate_kv_cache
+from .attention import AttentionMetadata, PrefillChunk
+from .kv_cache_format import KVCacheFormat
 from .kv_cache_manager import cdiv
 from .model import Transformer
 from .prompt_logprobs import PromptLogprobs, prompt_logprobs
@@ -13,13 +14,14 @@ from .scheduler import ScheduledChunk, SchedulerOutput
 
 
 class ModelRunner:
-    def __init__(self, model: Transformer, num_blocks: int, block_size: int, device: torch.device):
+    def __init__(self, model: Transformer, num_blocks: int, block_size: int, kv_format: KVCacheFormat,
+                 device: torch.device):
         cfg = model.config
         self.model = model
         self.device = device
         self.block_size = block_size
-        self.kv_caches = allocate_kv_cache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads,
-                                           cfg.head_dim, model.embed_tokens.weight.dtype, device)
+        self.kv_caches = kv_format.allocate(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
+                                            device)
         self.sampler = Sampler()
 
     @torch.inference_mode()

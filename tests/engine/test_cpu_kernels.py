@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from gpu_worker.engine.attention import AttentionMetadata, CpuPagedAttention, TorchPagedAttention
 from gpu_worker.engine.kernels import cpu_has_avx512_bf16, cpu_kernels
-from gpu_worker.engine.linear import Linear, OneDnnPackedLinearKernel
+from gpu_worker.engine.linear import Linear, OneDnnPackedLinearKernel, onednn_packs_bf16
 
 needs_avx512_bf16 = pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="the native kernels need AVX512-BF16")
 
@@ -33,6 +33,13 @@ def test_batch1_gemv_matches_the_reference():
         _assert_close_in_bf16(cpu_kernels().gemv_bf16(x, w), F.linear(x.float(), w.float()))
 
 
+def test_bf16_layers_keep_the_reference_kernel_where_onednn_cannot_pack_bf16():
+    layer = Linear(64, 32).to(torch.bfloat16)
+    layer.pack()
+    assert isinstance(layer.kernel, OneDnnPackedLinearKernel) == onednn_packs_bf16()
+
+
+@pytest.mark.skipif(not onednn_packs_bf16(), reason="oneDNN packs bf16 weights only on CPUs with native bf16")
 @pytest.mark.parametrize("rows", [1, 3, 64])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_matches_the_reference_for_any_row_count(rows, bias):
@@ -71,14 +78,13 @@ def _decode_metadata(context_lens: list[int], num_blocks: int, block_size: int) 
 def test_paged_decode_attention_matches_the_reference(heads, kv_heads, head_dim):
     torch.manual_seed(heads)
     block_size, num_blocks = 16, 200
-    k_cache = torch.randn(num_blocks, kv_heads, block_size, head_dim, dtype=torch.bfloat16)
-    v_cache = torch.randn_like(k_cache)
+    kv_cache = torch.randn(2, num_blocks, kv_heads, block_size, head_dim, dtype=torch.bfloat16)
     context_lens = [1, 17, 300, 64, 5, 129]
     q = torch.randn(len(context_lens), heads, head_dim, dtype=torch.bfloat16)
     meta = _decode_metadata(context_lens, num_blocks, block_size)
     scale = head_dim**-0.5
-    want = TorchPagedAttention(scale).decode(q, k_cache, v_cache, meta)
-    got = CpuPagedAttention(scale, cpu_kernels()).decode(q, k_cache, v_cache, meta)
+    want = TorchPagedAttention(scale).decode(q, kv_cache, meta)
+    got = CpuPagedAttention(scale, cpu_kernels()).decode(q, kv_cache, meta)
     _assert_close_in_bf16(got, want)
 
 
@@ -92,8 +98,8 @@ def test_native_kv_write_fills_the_same_slots_as_the_reference_from_a_fused_qkv_
     slots = torch.randperm(num_blocks * block_size)[:tokens]
     meta = AttentionMetadata(slots // block_size, slots % block_size, block_size, [], None, None, [])
     caches = [torch.zeros(2, num_blocks, kv_heads, block_size, head_dim, dtype=torch.bfloat16) for _ in range(2)]
-    TorchPagedAttention(1.0).write_kv(k, v, caches[0][0], caches[0][1], meta)
-    CpuPagedAttention(1.0, cpu_kernels()).write_kv(k, v, caches[1][0], caches[1][1], meta)
+    TorchPagedAttention(1.0).write_kv(k, v, caches[0], meta)
+    CpuPagedAttention(1.0, cpu_kernels()).write_kv(k, v, caches[1], meta)
     assert torch.equal(caches[0], caches[1]) and caches[0].count_nonzero() == 2 * k.numel()
 
 

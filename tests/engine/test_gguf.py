@@ -151,3 +151,14 @@ def test_loading_writes_nothing_next_to_the_users_file(small_checkpoint, tmp_pat
     path = write_gguf(small_checkpoint("llama"), tmp_path / "model.gguf", T.Q8_0)
     ours_greedy(str(path), PROMPTS[:1], 4)
     assert [p.name for p in tmp_path.iterdir()] == ["model.gguf"]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_gguf_file_quantizes_to_a_directory_serving_what_load_time_int8_serves(small_checkpoint, tmp_path, arch):
+    from gpu_worker.engine.quantization.convert import quantize_checkpoint
+
+    path = write_gguf(small_checkpoint(arch), tmp_path / "model.gguf", T.F32)
+    done = quantize_checkpoint(str(path), "int8", tmp_path / "int8")
+    load_time = LLM(str(path), dtype="float32", device=DEVICE, kv_cache_memory_bytes=64 << 20, quantization="int8")
+    assert ours_greedy(str(done.out), PROMPTS, 16) == ours_greedy(load_time, PROMPTS, 16)
+    assert open_checkpoint(done.out).tokenizer().encode("hello world") == load_time.tokenizer.encode("hello world")

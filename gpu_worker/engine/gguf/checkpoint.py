@@ -50,6 +50,7 @@ _PLAIN_DTYPES = {gguf.GGMLQuantizationType.F32: torch.float32, gguf.GGMLQuantiza
 class GgufCheckpoint:
     def __init__(self, path: Path):
         self.path = path
+        self.quantization = None  # dequantized as it loads
         try:
             self.reader = gguf.GGUFReader(path)
         except (ValueError, OSError) as exc:

@@ -1,0 +1,175 @@
+"""`tokenfleet bench quant`: each weight-quantization mode against bf16 on one model, in one run.
+
+Quality (`bench quality`'s measures, bf16 as the reference): weight bytes, perplexity on held-out text, greedy
+agreement with bf16 over 256 tokens, task accuracy. Speed: batch-1 decode and a mixed workload for every mode,
+interleaved in rounds (each round runs every mode once, back to back), reported as the median ratio to bf16
+with its spread; with `--peer llamacpp`, llama.cpp's q8_0 and q4_0 of the same checkpoint take part in each
+round too. Modes: int8 / int4 quantized at load time (round to nearest), int4-awq written by `tokenfleet
+quantize` (activation-aware scales) and served with no flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+from argparse import Namespace
+from datetime import date
+from pathlib import Path
+
+import torch
+
+from . import external_peers
+from .engine import ours_batch1_tps, ours_mixed, weight_bytes
+from .quality import Configuration, EngineSide, Settings, measure, prepare_inputs
+from .quality_tasks import agreement, load_tasks
+from .report import publish
+from .workloads import batch1, mixed
+
+MODES = ("bf16", "int8", "int4", "int4-awq")
+PEER_TYPES = {"int8": "q8_0", "int4": "q4_0"}  # llama.cpp's nearest formats
+
+
+def mode_configuration(mode: str, model: str) -> Configuration:
+    if mode == "int4-awq":
+        return Configuration(str(converted(model, "int4")), "bfloat16")
+    return Configuration(model, "bfloat16", quantization=None if mode == "bf16" else mode)
+
+
+def converted(model: str, method: str) -> Path:
+    """`tokenfleet quantize`'s output for the model, made once and kept in the cache folder."""
+    from gpu_worker.engine.builtin_models import cache_dir
+    from gpu_worker.engine.quantization.convert import quantize_checkpoint
+
+    out = cache_dir() / "quantized" / f"{Path(model).stem}-{method}"
+    if not (out / "model.safetensors").is_file():
+        quantize_checkpoint(model, method, out)
+    return out
+
+
+def quality(model: str, modes: list[str], settings: Settings) -> dict:
+    """Every mode against bf16, one model in memory at a time."""
+    tasks = load_tasks(settings.tasks_path)
+    results, reference_tokens, inputs = {}, None, None
+    for mode in ["bf16", *[m for m in modes if m != "bf16"]]:
+        side = EngineSide(mode_configuration(mode, model))
+        inputs = inputs or prepare_inputs(side.llm, settings, tasks)
+        measured = measure(side, inputs, settings, tasks)
+        tokens = measured.pop("greedy_tokens")
+        reference_tokens = reference_tokens or tokens
+        measured["agreement"] = agreement(tokens, reference_tokens)
+        measured["weight_bytes"] = weight_bytes(side.llm.engine.runner.model)
+        results[mode] = measured
+        del side
+        gc.collect()
+    return results
+
+
+def speed(model: str, modes: list[str], args: Namespace) -> dict:
+    """Tokens/s per mode and round; every mode loaded at once so that each round runs them back to back."""
+    from gpu_worker.engine import LLM
+
+    llms = {m: LLM(c.model, dtype=c.dtype, quantization=c.quantization)
+            for m in modes for c in [mode_configuration(m, model)]}
+    vocab = next(iter(llms.values())).engine.model_config.vocab_size
+    b1, mix = batch1(vocab), mixed(vocab, args.num_requests)
+    for llm in llms.values():
+        ours_batch1_tps(llm, batch1(vocab, 16, 4, seed=1))  # warm-up
+    rounds = []
+    for _ in range(args.repeats):
+        row = {f"{m} batch1": ours_batch1_tps(llm, b1) for m, llm in llms.items()}
+        if not args.skip_mixed:
+            row.update({f"{m} mixed": ours_mixed(llm, mix)["tps"] for m, llm in llms.items()})
+        for peer_type in (PEER_TYPES[m] for m in modes if m in PEER_TYPES and "llamacpp" in args.peer):
+            row[f"llama.cpp {peer_type} batch1"] = _llamacpp_batch1(model, peer_type, b1, mix)
+        rounds.append(row)
+    return {"rounds": rounds, "ratios": _ratios(rounds)}
+
+
+def _llamacpp_batch1(model: str, peer_type: str, b1, mix) -> float | None:
+    from gpu_worker.engine.checkpoint import resolve_model_path
+
+    result = {"batch1_tps": {}, "mixed_tps": {}}
+    external_peers.run("llamacpp", resolve_model_path(model), Namespace(dtype=peer_type, skip_mixed=True, repeats=1),
+                       b1, mix, result)
+    if "peer_errors" in result:
+        print(f"llama.cpp {peer_type}: {result['peer_errors']['llamacpp']}")
+    return next(iter(result["batch1_tps"].values()), None)
+
+
+def _ratios(rounds: list[dict]) -> dict:
+    """Each figure over its workload's bf16 figure, per round: (median, min, max)."""
+    out = {}
+    for key in rounds[0]:
+        base = f"bf16 {key.rsplit(' ', 1)[1]}"
+        values = [r[key] / r[base] for r in rounds if r.get(key) and r.get(base)]
+        if values and key != base:
+            out[key] = (statistics.median(values), min(values), max(values))
+    return out
+
+
+def run(args: Namespace) -> dict:
+    modes = ["bf16", *[m for m in args.modes.split(",") if m != "bf16"]]
+    unknown = set(modes) - set(MODES)
+    if unknown:
+        raise SystemExit(f"unknown modes: {', '.join(sorted(unknown))} (choose from {', '.join(MODES)})")
+    settings = Settings(windows=args.windows, prompts=args.num_prompts, new_tokens=args.new_tokens)
+    result = {"date": date.today().isoformat(), "model": args.model, "threads": torch.get_num_threads(),
+              "modes": modes, "settings": {**vars(settings), "tasks_path": str(settings.tasks_path)}}
+    if not args.skip_quality:
+        result["quality"] = quality(args.model, modes, settings)
+    if not args.skip_speed:
+        result["speed"] = speed(args.model, modes, args)
+    return result
+
+
+def format_table(r: dict) -> str:
+    lines = [f"tokenfleet bench quant — {r['model']}, {r['date']}, {r['threads']} threads", ""]
+    if "quality" in r:
+        q, s = r["quality"], r["settings"]
+        base = q["bf16"]
+        lines += [f"quality: perplexity on {s['windows']} windows x {s['window_len']} tokens, greedy agreement "
+                  f"with bf16 on {s['prompts']} prompts x {s['new_tokens']} tokens",
+                  "", "| mode | weight bytes | × bf16 | perplexity | Δ ppl | greedy agreement | first divergence "
+                  "(median) | tasks |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for mode, m in q.items():
+            ppl, ref = m["perplexity"]["perplexity"], base["perplexity"]["perplexity"]
+            a = m["agreement"]
+            size = m["weight_bytes"]
+            lines.append(f"| {mode} | {size / 1e6:.1f} MB | {size / base['weight_bytes']:.3f} | {ppl:.3f} "
+                         f"| {(ppl / ref - 1):+.2%} | {a['mean_equal_pct']:.1f}% | "
+                         f"{a['median_first_divergence']:g} | {m['tasks']['accuracy']:.1%} |")
+        lines.append("")
+    if "speed" in r:
+        sp = r["speed"]
+        lines += [f"speed: {len(sp['rounds'])} interleaved rounds (median tok/s; ratio to bf16 per round: median "
+                  "[min, max])", "", "| mode, workload | tok/s | × bf16 |", "|---|---:|---:|"]
+        for key in sp["rounds"][0]:
+            values = [row[key] for row in sp["rounds"] if row.get(key)]
+            ratio = sp["ratios"].get(key)
+            shown = "—" if ratio is None else f"{ratio[0]:.2f} [{ratio[1]:.2f}, {ratio[2]:.2f}]"
+            lines.append(f"| {key} | {statistics.median(values) if values else float('nan'):.1f} | {shown} |")
+    return "\n".join(lines)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m-instruct",
+                   help="built-in or packaged name, HF directory or .gguf file (a trained model: random weights "
+                        "make quality figures meaningless)")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {', '.join(MODES)}")
+    p.add_argument("--peer", action="append", default=[], choices=["llamacpp"],
+                   help="llama.cpp q8_0 / q4_0 of the same checkpoint in each speed round")
+    p.add_argument("--repeats", type=int, default=3, help="speed rounds")
+    p.add_argument("--num-requests", type=int, default=32, help="requests in the mixed workload")
+    p.add_argument("--windows", type=int, default=16)
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--skip-quality", action="store_true")
+    p.add_argument("--skip-speed", action="store_true")
+    p.add_argument("--skip-mixed", action="store_true")
+    p.add_argument("--json", dest="json_path", default=None, help="also write the figures as JSON here")
+
+
+def run_from_args(args: Namespace) -> int:
+    result = run(args)
+    return publish(result, format_table(result), args.json_path)

@@ -1,0 +1,75 @@
+"""Which quantization a model is served with: the checkpoint's own, or weights quantized at load time."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import ModelLoadError
+from .formats import KERNEL_GROUP_SIZES, CheckpointFormat
+from .weights import QuantizedWeight, fake_quantize_int4, quantize_int4, quantize_int8
+
+QUANTIZATION_METHODS = ("int8", "int4", "fp8")
+DEFAULT_GROUP_SIZE = 128
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WeightQuantizer:
+    """Round-to-nearest, weight-only: int8 per output channel, or int4 in groups of `group_size` inputs."""
+
+    bits: int
+    group_size: int = DEFAULT_GROUP_SIZE
+
+    def __call__(self, w: torch.Tensor) -> QuantizedWeight:
+        if self.bits == 8:
+            return quantize_int8(w)
+        group = self.group_for(w.shape[1])
+        return quantize_int4(w, group) if group else quantize_int8(w)
+
+    def for_table(self, tied: bool) -> WeightQuantizer:
+        """The quantizer of the embedding table. A table the LM head shares is int8 even for int4 weights, as
+        llama.cpp keeps it at 8 bits: the CPU int4 kernel's blocked layout cannot serve row lookups, so int4
+        would need a second copy, and two int4 copies take the bytes of one int8 table at worse quality."""
+        return WeightQuantizer(8) if tied and self.bits == 4 else self
+
+    def fake(self, w: torch.Tensor) -> torch.Tensor:
+        """`self(w).dequantize()`, cheaper."""
+        group = self.group_for(w.shape[1]) if self.bits == 4 else None
+        return fake_quantize_int4(w, group) if group else self(w).dequantize()
+
+    def group_for(self, in_features: int) -> int | None:
+        """The largest group size the kernels take, at most the requested one, that divides the input size:
+        SmolLM2's 576 inputs, say, are 9 groups of 64. None (int8 for this weight) when none divides it."""
+        fits = [g for g in KERNEL_GROUP_SIZES if g <= self.group_size and in_features % g == 0]
+        if not fits:
+            log.warning("input size %d takes no int4 group size; this weight is quantized to int8", in_features)
+        return max(fits, default=None)
+
+
+def method_of(fmt: CheckpointFormat) -> str:
+    return "int8" if getattr(fmt, "bits", 4) == 8 else "int4"
+
+
+def load_time_quantizer(requested: str | None, checkpoint_format: CheckpointFormat | None,
+                        device: torch.device) -> WeightQuantizer | None:
+    """The quantizer to apply to a dense checkpoint's weights, None when the weights stay as they are
+    (no flag, or a pre-quantized checkpoint whose own method the flag, if any, names)."""
+    if requested is None:
+        return None
+    if requested not in QUANTIZATION_METHODS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} or None; got {requested!r}")
+    if checkpoint_format is not None:
+        if requested != method_of(checkpoint_format):
+            raise ModelLoadError(f"the checkpoint is quantized ({checkpoint_format.name}, "
+                                 f"{method_of(checkpoint_format)}); quantization={requested!r} conflicts with it")
+        return None
+    if requested == "fp8":
+        if device.type != "cuda":
+            raise ModelLoadError("fp8 quantization needs a CUDA GPU with FP8 support (compute capability 8.9+); "
+                                 "on CPU use int8 or int4")
+        raise ModelLoadError("fp8 quantization is not implemented yet; use int8 or int4")
+    return WeightQuantizer(8 if requested == "int8" else 4)

@@ -1,0 +1,200 @@
+"""Weight quantization: the quantizers, GPTQ / AWQ checkpoints, and models served with quantized weights."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from gpu_worker.engine import LLM, SamplingParams
+from gpu_worker.engine.errors import ModelLoadError
+from gpu_worker.engine.quantization.formats import AwqFormat, GptqFormat
+from gpu_worker.engine.quantization.kernels import (
+    CpuInt4LinearKernel,
+    CpuInt8LinearKernel,
+    DequantLinearKernel,
+    quantized_linear_kernel,
+)
+from gpu_worker.engine.quantization.methods import WeightQuantizer
+from gpu_worker.engine.quantization.weights import Int4Weight, Int8Weight, quantize_int4, quantize_int8
+from tests import quant_packers
+from tests.quant_checkpoints import four_bit_checkpoints, with_dequantized_weights
+
+PROMPTS = [[5, 17, 42, 9, 33, 2, 71, 8], [90, 3, 3, 14]]
+LOGPROBS = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+
+
+def prompt_logprobs(llm: LLM) -> torch.Tensor:
+    outs = llm.generate(PROMPTS, LOGPROBS)
+    return torch.tensor([v for o in outs for v in o.prompt_logprobs[1:]])
+
+
+def test_int8_rounds_each_weight_to_its_rows_nearest_step():
+    w = torch.randn(48, 96)
+    q = quantize_int8(w)
+    assert q.q.dtype == torch.int8 and q.scale.shape == (48,)
+    assert torch.equal(q.scale, q.scale.bfloat16().float())  # the kernels take bf16 scales
+    assert bool(((q.dequantize() - w).abs() <= q.scale[:, None] / 2 + 1e-6).all())
+
+
+def test_int4_rounds_each_weight_to_its_groups_nearest_step():
+    w = torch.randn(32, 256)
+    q = quantize_int4(w, 64)
+    assert q.packed.shape == (32, 128) and q.scale.shape == (32, 4)
+    step = q.scale.repeat_interleave(64, 1)
+    assert bool(((q.dequantize() - w).abs() <= step / 2 + 1e-5).all())
+
+
+def test_int4_group_size_falls_back_to_one_that_divides_the_inputs():
+    quantizer = WeightQuantizer(4, group_size=128)
+    assert quantizer.group_for(576) == 64  # SmolLM2's hidden size: 9 groups of 64
+    assert quantizer.group_for(1536) == 128
+    assert isinstance(quantizer(torch.randn(16, 40)), Int8Weight)  # no group size divides 40
+
+
+def test_gptq_hand_packed_word_reads_back():
+    # One column, eight inputs, one group: qweight word 0x76543210 holds q = 0..7 (input k in nibble k),
+    # qzeros nibble 7 is z - 1 in the classic format, so z = 8 and w = 0.5 * (k - 8).
+    tensors = {"qweight": torch.tensor([[0x76543210] * 8], dtype=torch.int32).reshape(1, 8),
+               "qzeros": torch.tensor([[0x77777777]], dtype=torch.int32),
+               "scales": torch.full((1, 8), 0.5, dtype=torch.float16),
+               "g_idx": torch.zeros(8, dtype=torch.int32)}
+    w = GptqFormat(group_size=8).read(tensors).dequantize()
+    assert torch.equal(w[0], 0.5 * (torch.arange(8.0) - 8))
+    assert torch.equal(GptqFormat(group_size=8, v2=True).read(tensors).dequantize()[0], 0.5 * (torch.arange(8.0) - 7))
+
+
+@pytest.mark.parametrize("desc_act", [False, True])
+@pytest.mark.parametrize("v2", [False, True])
+def test_gptq_weights_dequantize_to_the_packers_input(desc_act, v2):
+    generator = torch.Generator().manual_seed(1)
+    w = torch.randn(64, 256, generator=generator)
+    g_idx = quant_packers.act_order_g_idx(256, 128, generator) if desc_act else None
+    q, scales, zeros = quant_packers.quantize_groupwise(w, 128, g_idx)
+    zeros = zeros.clamp(min=0 if v2 else 1)
+    packed = quant_packers.pack_gptq(q, scales, zeros, 128, g_idx, v2=v2)
+    ours = GptqFormat(128, v2=v2).read(packed)
+    assert (ours.input_perm is not None) == desc_act
+    assert torch.equal(ours.dequantize(), quant_packers.dequantize_groupwise(q, scales, zeros, 128, g_idx))
+
+
+def test_awq_weights_dequantize_to_the_packers_input():
+    w = torch.randn(64, 256, generator=torch.Generator().manual_seed(2))
+    q, scales, zeros = quant_packers.quantize_groupwise(w, 64)
+    ours = AwqFormat(64).read(quant_packers.pack_awq(q, scales, zeros, 64))
+    assert torch.equal(ours.dequantize(), quant_packers.dequantize_groupwise(q, scales, zeros, 64))
+
+
+@pytest.mark.parametrize("n,k,rows", [(64, 256, 1), (96, 512, 5), (32000, 128, 2), (48, 64, 33)])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_cpu_kernels_match_the_dequantizing_reference(n, k, rows, bits):
+    generator = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=generator) / k**0.5
+    weight = quantize_int8(w) if bits == 8 else quantize_int4(w, 64)
+    x = torch.randn(rows, k, generator=generator)
+    bias = torch.randn(n, generator=generator)
+    kernel = quantized_linear_kernel(weight, torch.float32, torch.device("cpu"))
+    assert isinstance(kernel, CpuInt8LinearKernel if bits == 8 else CpuInt4LinearKernel)
+    expected = DequantLinearKernel(weight)(x, None, bias)
+    torch.testing.assert_close(kernel(x, None, bias), expected, rtol=1e-4, atol=1e-4)
+    got = quantized_linear_kernel(weight, torch.bfloat16, torch.device("cpu"))(x.bfloat16(), None, bias.bfloat16())
+    torch.testing.assert_close(got.float(), expected, rtol=0.05, atol=0.05)
+
+
+def test_cpu_int4_kernel_permutes_inputs_for_act_order_weights():
+    generator = torch.Generator().manual_seed(3)
+    w = torch.randn(64, 256, generator=generator)
+    g_idx = quant_packers.act_order_g_idx(256, 128, generator)
+    q, scales, zeros = quant_packers.quantize_groupwise(w, 128, g_idx)
+    weight = GptqFormat(128, v2=True).read(quant_packers.pack_gptq(q, scales, zeros, 128, g_idx, v2=True))
+    x = torch.randn(3, 256, generator=generator)
+    torch.testing.assert_close(CpuInt4LinearKernel(weight, torch.float32)(x, None, None),
+                               x @ weight.dequantize().T, rtol=1e-4, atol=1e-4)
+
+
+def test_odd_shapes_take_the_reference_kernel():
+    assert isinstance(quantized_linear_kernel(quantize_int8(torch.randn(16, 70)), torch.float32,
+                                              torch.device("cpu")), DequantLinearKernel)
+    assert isinstance(quantized_linear_kernel(quantize_int4(torch.randn(40, 64), 32), torch.float32,
+                                              torch.device("cpu")), DequantLinearKernel)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "llama-tied"])
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantized_model_computes_what_its_dequantized_weights_compute(make_checkpoint, tmp_path, arch, method):
+    src = make_checkpoint(arch, hidden_size=128, intermediate_size=256)
+    quantizer = WeightQuantizer(8 if method == "int8" else 4)
+    dense = with_dequantized_weights(src, tmp_path / "dense", quantizer)
+    quantized = LLM(str(src), dtype="float32", quantization=method)
+    torch.testing.assert_close(prompt_logprobs(quantized), prompt_logprobs(LLM(str(dense), dtype="float32")),
+                               rtol=1e-4, atol=1e-4)
+    assert all(m.weight is None for m in quantized.engine.runner.model.modules() if hasattr(m, "quantize"))
+
+
+@pytest.mark.parametrize("fmt,desc_act,v2", [("gptq", False, False), ("gptq", True, False), ("gptq", True, True),
+                                             ("awq", False, False)])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_four_bit_checkpoint_serves_what_its_dequantized_twin_serves(make_checkpoint, tmp_path, fmt, desc_act,
+                                                                      v2, arch):
+    src = make_checkpoint(arch, hidden_size=128, intermediate_size=256)
+    quantized, dense = four_bit_checkpoints(src, tmp_path, fmt, 128, desc_act=desc_act, v2=v2)
+    llm = LLM(str(quantized), dtype="float32")
+    torch.testing.assert_close(prompt_logprobs(llm), prompt_logprobs(LLM(str(dense), dtype="float32")),
+                               rtol=1e-4, atol=1e-4)
+    out = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    assert [len(o.outputs[0].token_ids) for o in out] == [8, 8]
+
+
+def test_quantized_embedding_table_is_shared_with_a_tied_lm_head(make_checkpoint):
+    model = LLM(str(make_checkpoint("llama-tied")), dtype="float32", quantization="int8").engine.runner.model
+    assert isinstance(model.embed_tokens.quantized, Int8Weight)
+    assert model.lm_head.kernel.q is model.embed_tokens.quantized.q
+
+
+def _with_quantization_config(src, tmp_path, config: dict):
+    out = tmp_path / "bad"
+    four_bit_checkpoints(src, tmp_path, "gptq", 64)
+    gptq = tmp_path / "gptq-quantized"
+    raw = json.loads((gptq / "config.json").read_text())
+    raw["quantization_config"] = {**raw["quantization_config"], **config}
+    gptq.rename(out)
+    (out / "config.json").write_text(json.dumps(raw))
+    return out
+
+
+@pytest.mark.parametrize("config,named", [
+    ({"bits": 3}, "bits=3"),
+    ({"group_size": 16}, "group_size=16"),
+    ({"checkpoint_format": "marlin"}, "checkpoint_format='marlin'"),
+    ({"quant_method": "bitsandbytes"}, "'bitsandbytes'"),
+])
+def test_unsupported_quantization_configs_are_named(make_checkpoint, tmp_path, config, named):
+    bad = _with_quantization_config(make_checkpoint("llama"), tmp_path, config)
+    with pytest.raises(ModelLoadError, match=named.replace("(", r"\(")):
+        LLM(str(bad))
+
+
+def test_a_flag_that_conflicts_with_the_checkpoints_quantization_is_refused(make_checkpoint, tmp_path):
+    quantized, _ = four_bit_checkpoints(make_checkpoint("llama"), tmp_path, "awq", 64)
+    with pytest.raises(ModelLoadError, match="conflicts"):
+        LLM(str(quantized), quantization="int8")
+    assert isinstance(LLM(str(quantized), quantization="int4").engine.runner.model.layers[0].mlp.down_proj.kernel,
+                      CpuInt4LinearKernel | DequantLinearKernel)
+
+
+def test_fp8_on_cpu_is_refused_with_the_reason(make_checkpoint):
+    with pytest.raises(ModelLoadError, match="CUDA"):
+        LLM(str(make_checkpoint("llama")), quantization="fp8")
+
+
+def test_unknown_method_is_refused(make_checkpoint):
+    with pytest.raises(ValueError, match="int8, int4, fp8"):
+        LLM(str(make_checkpoint("llama")), quantization="int3")
+
+
+def test_quantized_weights_are_int4_in_memory(make_checkpoint):
+    model = LLM(str(make_checkpoint("llama", hidden_size=128, intermediate_size=256)), dtype="float32",
+                quantization="int4").engine.runner.model
+    assert isinstance(model.embed_tokens.quantized, Int4Weight)
+    assert model.layers[0].mlp.gate_up_proj.kernel.packed.dtype == torch.uint8
