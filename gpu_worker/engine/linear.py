@@ -4,6 +4,7 @@ On CPU, bf16 `F.linear` re-lays out its weight for oneDNN on every call; packing
 (the layout inductor's CPU freezing uses) runs the same math 1.3-1.9x faster here. For a single row
 (batch-1 decode, memory-bound) our AVX512-BF16 loop in `kernels/cpu_kernels.cpp` reads weights ~1.5x
 faster still. The reference stays the default everywhere else and is what exactness tests compare against.
+Quantized weights plug in as more kernels (`quantization/kernels.py`), each holding its own weight.
 """
 
 from __future__ import annotations

@@ -79,7 +79,7 @@ class LLMEngine:
         )
         self.runner = ModelRunner(model, num_blocks, config.block_size, self.kv_format, self.device)
         log.info("%s: %s weights%s, KV cache %s: %d blocks of %d tokens (%d tokens)", self.model_path, self.dtype,
-                 f" quantized ({quantizer.bits}-bit at load)" if quantizer else
+                 f" quantized ({quantizer.method} at load)" if quantizer else
                  f" quantized ({checkpoint.quantization.name})" if checkpoint.quantization else "",
                  self.kv_format.name, num_blocks, config.block_size, num_blocks * config.block_size)
         self.requests: dict[str, RequestState] = {}

@@ -17,7 +17,13 @@ from gpu_worker.engine.quantization.kernels import (
     quantized_linear_kernel,
 )
 from gpu_worker.engine.quantization.methods import WeightQuantizer
-from gpu_worker.engine.quantization.weights import Int4Weight, Int8Weight, quantize_int4, quantize_int8
+from gpu_worker.engine.quantization.weights import (
+    Int4Weight,
+    Int8Weight,
+    quantize_fp8,
+    quantize_int4,
+    quantize_int8,
+)
 from tests import quant_packers
 from tests.quant_checkpoints import four_bit_checkpoints, with_dequantized_weights
 
@@ -47,7 +53,7 @@ def test_int4_rounds_each_weight_to_its_groups_nearest_step():
 
 
 def test_int4_group_size_falls_back_to_one_that_divides_the_inputs():
-    quantizer = WeightQuantizer(4, group_size=128)
+    quantizer = WeightQuantizer("int4", group_size=128)
     assert quantizer.group_for(576) == 64  # SmolLM2's hidden size: 9 groups of 64
     assert quantizer.group_for(1536) == 128
     assert isinstance(quantizer(torch.randn(16, 40)), Int8Weight)  # no group size divides 40
@@ -94,12 +100,13 @@ def test_cpu_kernels_match_the_dequantizing_reference(n, k, rows, bits):
     weight = quantize_int8(w) if bits == 8 else quantize_int4(w, 64)
     x = torch.randn(rows, k, generator=generator)
     bias = torch.randn(n, generator=generator)
-    kernel = quantized_linear_kernel(weight, torch.float32, torch.device("cpu"))
-    assert isinstance(kernel, CpuInt8LinearKernel if bits == 8 else CpuInt4LinearKernel)
+    kernel_type = CpuInt8LinearKernel if bits == 8 else CpuInt4LinearKernel
     expected = DequantLinearKernel(weight)(x, None, bias)
-    torch.testing.assert_close(kernel(x, None, bias), expected, rtol=1e-4, atol=1e-4)
-    got = quantized_linear_kernel(weight, torch.bfloat16, torch.device("cpu"))(x.bfloat16(), None, bias.bfloat16())
-    torch.testing.assert_close(got.float(), expected, rtol=0.05, atol=0.05)
+    # Served in bf16 only; float32 checks the kernel's math at fp32 precision.
+    torch.testing.assert_close(kernel_type(weight, torch.float32)(x, None, bias), expected, rtol=1e-4, atol=1e-4)
+    kernel = quantized_linear_kernel(weight, torch.bfloat16, torch.device("cpu"))
+    assert isinstance(kernel, kernel_type)
+    torch.testing.assert_close(kernel(x.bfloat16(), None, bias.bfloat16()).float(), expected, rtol=0.05, atol=0.05)
 
 
 def test_cpu_int4_kernel_permutes_inputs_for_act_order_weights():
@@ -113,18 +120,21 @@ def test_cpu_int4_kernel_permutes_inputs_for_act_order_weights():
                                x @ weight.dequantize().T, rtol=1e-4, atol=1e-4)
 
 
-def test_odd_shapes_take_the_reference_kernel():
-    assert isinstance(quantized_linear_kernel(quantize_int8(torch.randn(16, 70)), torch.float32,
-                                              torch.device("cpu")), DequantLinearKernel)
-    assert isinstance(quantized_linear_kernel(quantize_int4(torch.randn(40, 64), 32), torch.float32,
-                                              torch.device("cpu")), DequantLinearKernel)
+def test_odd_shapes_and_float32_take_the_reference_kernel():
+    cpu = torch.device("cpu")
+    assert isinstance(quantized_linear_kernel(quantize_int8(torch.randn(16, 70)), torch.bfloat16, cpu),
+                      DequantLinearKernel)
+    assert isinstance(quantized_linear_kernel(quantize_int4(torch.randn(40, 64), 32), torch.bfloat16, cpu),
+                      DequantLinearKernel)
+    assert isinstance(quantized_linear_kernel(quantize_int8(torch.randn(16, 64)), torch.float32, cpu),
+                      DequantLinearKernel)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "llama-tied"])
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_quantized_model_computes_what_its_dequantized_weights_compute(make_checkpoint, tmp_path, arch, method):
     src = make_checkpoint(arch, hidden_size=128, intermediate_size=256)
-    quantizer = WeightQuantizer(8 if method == "int8" else 4)
+    quantizer = WeightQuantizer(method)
     dense = with_dequantized_weights(src, tmp_path / "dense", quantizer)
     quantized = LLM(str(src), dtype="float32", quantization=method)
     torch.testing.assert_close(prompt_logprobs(quantized), prompt_logprobs(LLM(str(dense), dtype="float32")),
@@ -147,7 +157,7 @@ def test_four_bit_checkpoint_serves_what_its_dequantized_twin_serves(make_checkp
 
 
 def test_quantized_embedding_table_is_shared_with_a_tied_lm_head(make_checkpoint):
-    model = LLM(str(make_checkpoint("llama-tied")), dtype="float32", quantization="int8").engine.runner.model
+    model = LLM(str(make_checkpoint("llama-tied")), dtype="bfloat16", quantization="int8").engine.runner.model
     assert isinstance(model.embed_tokens.quantized, Int8Weight)
     assert model.lm_head.kernel.q is model.embed_tokens.quantized.q
 
@@ -179,13 +189,21 @@ def test_a_flag_that_conflicts_with_the_checkpoints_quantization_is_refused(make
     quantized, _ = four_bit_checkpoints(make_checkpoint("llama"), tmp_path, "awq", 64)
     with pytest.raises(ModelLoadError, match="conflicts"):
         LLM(str(quantized), quantization="int8")
-    assert isinstance(LLM(str(quantized), quantization="int4").engine.runner.model.layers[0].mlp.down_proj.kernel,
-                      CpuInt4LinearKernel | DequantLinearKernel)
+    kernel = LLM(str(quantized), quantization="int4").engine.runner.model.layers[0].mlp.down_proj.kernel
+    assert isinstance(kernel.weight, Int4Weight)
 
 
 def test_fp8_on_cpu_is_refused_with_the_reason(make_checkpoint):
     with pytest.raises(ModelLoadError, match="CUDA"):
         LLM(str(make_checkpoint("llama")), quantization="fp8")
+
+
+def test_fp8_keeps_each_weight_within_e4m3_rounding_of_its_row_scale():
+    w = torch.randn(32, 64) * torch.logspace(-3, 1, 32)[:, None]
+    q = quantize_fp8(w)
+    assert q.q.dtype == torch.float8_e4m3fn and torch.equal(q.q.float().abs().amax(dim=1), torch.full((32,), 448.0))
+    # e4m3 keeps 3 mantissa bits: relative rounding error at most 2**-4, plus the subnormal floor.
+    assert bool(((q.dequantize() - w).abs() <= w.abs() / 16 + q.scale[:, None] * 2**-9).all())
 
 
 def test_unknown_method_is_refused(make_checkpoint):
@@ -197,4 +215,4 @@ def test_quantized_weights_are_int4_in_memory(make_checkpoint):
     model = LLM(str(make_checkpoint("llama", hidden_size=128, intermediate_size=256)), dtype="float32",
                 quantization="int4").engine.runner.model
     assert isinstance(model.embed_tokens.quantized, Int4Weight)
-    assert model.layers[0].mlp.gate_up_proj.kernel.packed.dtype == torch.uint8
+    assert model.layers[0].mlp.gate_up_proj.kernel.weight.packed.dtype == torch.uint8

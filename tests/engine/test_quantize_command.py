@@ -11,8 +11,8 @@ from gpu_worker.engine import LLM, SamplingParams
 from gpu_worker.engine.errors import ModelLoadError
 from gpu_worker.engine.quantization.awq import best_scale, scale_groups
 from gpu_worker.engine.quantization.convert import quantize_checkpoint
-from gpu_worker.engine.quantization.kernels import CpuInt4LinearKernel, CpuInt8LinearKernel
 from gpu_worker.engine.quantization.methods import WeightQuantizer
+from gpu_worker.engine.quantization.weights import Int4Weight, Int8Weight
 from services.cli import main as tokenfleet
 
 PROMPTS = [[5, 17, 42, 9, 33, 2, 71, 8, 120, 7], [90, 3, 3, 14]]
@@ -30,7 +30,7 @@ def test_int8_directory_serves_what_load_time_int8_serves(make_checkpoint, tmp_p
     config = json.loads((done.out / "config.json").read_text())
     assert config["quantization_config"] == {"quant_method": "tokenfleet", "bits": 8, "group_size": None}
     served = LLM(str(done.out), dtype="float32")  # no flag: the directory says how it is quantized
-    assert isinstance(served.engine.runner.model.layers[0].mlp.down_proj.kernel, CpuInt8LinearKernel)
+    assert isinstance(served.engine.runner.model.layers[0].mlp.down_proj.kernel.weight, Int8Weight)
     torch.testing.assert_close(prompt_logprobs(served),
                                prompt_logprobs(LLM(str(src), dtype="float32", quantization="int8")))
 
@@ -43,7 +43,7 @@ def test_int4_directory_is_under_three_tenths_of_bf16_and_close_to_the_dense_mod
     assert set(done.alphas) == {f"layers.{i}.{m}" for i in range(2) for m in
                                 ("self_attn.qkv_proj", "mlp.gate_up_proj", "mlp.down_proj")}
     served = LLM(str(done.out), dtype="float32")
-    assert isinstance(served.engine.runner.model.layers[0].mlp.gate_up_proj.kernel, CpuInt4LinearKernel)
+    assert isinstance(served.engine.runner.model.layers[0].mlp.gate_up_proj.kernel.weight, Int4Weight)
     dense = prompt_logprobs(LLM(str(src), dtype="float32"))
     assert (prompt_logprobs(served) - dense).abs().mean() < 0.02 * dense.abs().mean()
 
@@ -65,7 +65,7 @@ def test_activation_aware_scales_beat_round_to_nearest_on_outlier_channels():
     w = torch.randn(256, 256, generator=generator)
     x = torch.randn(512, 256, generator=generator)
     x[:, :4] *= 30  # a few channels carry most of the activation, as in trained LLMs
-    quantizer = WeightQuantizer(4, 128)
+    quantizer = WeightQuantizer("int4", 128)
     s, alpha = best_scale(w, x, quantizer.fake)
     rtn = (x @ quantizer.fake(w).T - x @ w.T).pow(2).mean()
     awq = (x @ (quantizer.fake(w * s) / s).T - x @ w.T).pow(2).mean()

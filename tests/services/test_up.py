@@ -31,7 +31,9 @@ def up_process(cache_dir):
     proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--port", str(port)], env=env,
                             stdout=subprocess.PIPE, text=True)
     yield proc, port, cache_dir
-    if proc.poll() is None:
+    if proc.poll() is None:  # the test failed before the stack stopped: take its services down with it
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            child.kill()
         proc.kill()
 
 

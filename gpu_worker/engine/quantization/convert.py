@@ -53,7 +53,7 @@ def quantize_checkpoint(model: str, method: str, out: Path, group_size: int = DE
         raise ValueError(f"method must be int8 or int4; got {method!r}")
     llm = LLM(model, dtype="float32", enable_prefix_caching=False)
     net = llm.engine.runner.model
-    quantizer = WeightQuantizer(8 if method == "int8" else 4, group_size)
+    quantizer = WeightQuantizer(method, group_size)
     alphas = {}
     if method == "int4":
         text = (calibration or CALIBRATION_TEXT).read_text()

@@ -9,7 +9,7 @@ import torch
 
 from ..errors import ModelLoadError
 from .formats import KERNEL_GROUP_SIZES, CheckpointFormat
-from .weights import QuantizedWeight, fake_quantize_int4, quantize_int4, quantize_int8
+from .weights import QuantizedWeight, fake_quantize_int4, quantize_fp8, quantize_int4, quantize_int8
 
 QUANTIZATION_METHODS = ("int8", "int4", "fp8")
 DEFAULT_GROUP_SIZE = 128
@@ -19,13 +19,19 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class WeightQuantizer:
-    """Round-to-nearest, weight-only: int8 per output channel, or int4 in groups of `group_size` inputs."""
+    """Round-to-nearest, weight-only: int8 or fp8 per output channel, or int4 in groups of `group_size` inputs."""
 
-    bits: int
+    method: str  # int8, int4, fp8
     group_size: int = DEFAULT_GROUP_SIZE
 
+    @property
+    def bits(self) -> int:
+        return 4 if self.method == "int4" else 8
+
     def __call__(self, w: torch.Tensor) -> QuantizedWeight:
-        if self.bits == 8:
+        if self.method == "fp8":
+            return quantize_fp8(w)
+        if self.method == "int8":
             return quantize_int8(w)
         group = self.group_for(w.shape[1])
         return quantize_int4(w, group) if group else quantize_int8(w)
@@ -34,11 +40,11 @@ class WeightQuantizer:
         """The quantizer of the embedding table. A table the LM head shares is int8 even for int4 weights, as
         llama.cpp keeps it at 8 bits: the CPU int4 kernel's blocked layout cannot serve row lookups, so int4
         would need a second copy, and two int4 copies take the bytes of one int8 table at worse quality."""
-        return WeightQuantizer(8) if tied and self.bits == 4 else self
+        return WeightQuantizer("int8") if tied and self.method == "int4" else self
 
     def fake(self, w: torch.Tensor) -> torch.Tensor:
         """`self(w).dequantize()`, cheaper."""
-        group = self.group_for(w.shape[1]) if self.bits == 4 else None
+        group = self.group_for(w.shape[1]) if self.method == "int4" else None
         return fake_quantize_int4(w, group) if group else self(w).dequantize()
 
     def group_for(self, in_features: int) -> int | None:
@@ -67,9 +73,7 @@ def load_time_quantizer(requested: str | None, checkpoint_format: CheckpointForm
             raise ModelLoadError(f"the checkpoint is quantized ({checkpoint_format.name}, "
                                  f"{method_of(checkpoint_format)}); quantization={requested!r} conflicts with it")
         return None
-    if requested == "fp8":
-        if device.type != "cuda":
-            raise ModelLoadError("fp8 quantization needs a CUDA GPU with FP8 support (compute capability 8.9+); "
-                                 "on CPU use int8 or int4")
-        raise ModelLoadError("fp8 quantization is not implemented yet; use int8 or int4")
-    return WeightQuantizer(8 if requested == "int8" else 4)
+    if requested == "fp8" and not (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)):
+        raise ModelLoadError("fp8 weights need a CUDA GPU with FP8 row-wise matmuls (compute capability 9.0: "
+                             "H100, H200); elsewhere use int8 or int4")
+    return WeightQuantizer(requested)

@@ -90,7 +90,35 @@ class Int4Weight:
         return Int4Weight(self.packed.to(device), self.scale.to(device), self.zero.to(device), self.group_size, perm)
 
 
-QuantizedWeight = Int8Weight | Int4Weight
+@dataclass
+class Fp8Weight:
+    """float8 e4m3 values with a scale per output channel, w = q * scale (served on GPUs with FP8 matmuls)."""
+
+    q: torch.Tensor  # float8_e4m3fn [N, K]
+    scale: torch.Tensor  # float32 [N]
+
+    bits = 8
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    def dequantize(self) -> torch.Tensor:
+        return self.q.float() * self.scale[:, None]
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.q[ids].float() * self.scale[ids, None]
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.nbytes + self.scale.nbytes
+
+    def to(self, device: torch.device) -> Fp8Weight:
+        return Fp8Weight(self.q.to(device), self.scale.to(device))
+
+
+QuantizedWeight = Int8Weight | Int4Weight | Fp8Weight
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 
 
 def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
@@ -128,6 +156,13 @@ def _int4_grid(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Te
     return q, scale, zero
 
 
+def quantize_fp8(w: torch.Tensor) -> Fp8Weight:
+    """Per output channel: each row's max |w| maps to e4m3's largest finite value."""
+    w = w.float()
+    scale = w.abs().amax(dim=1).clamp(min=1e-12) / FP8_MAX
+    return Fp8Weight((w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale)
+
+
 def quantize_int4(w: torch.Tensor, group_size: int) -> Int4Weight:
     q, scale, zero = _int4_grid(w, group_size)
     return Int4Weight(pack_nibbles(q.reshape(w.shape)), scale, zero, group_size)
@@ -142,8 +177,8 @@ def fake_quantize_int4(w: torch.Tensor, group_size: int) -> torch.Tensor:
 def concat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight:
     """Shards of a fused projection (q, k, v or gate, up) stacked along the output dimension."""
     first = weights[0]
-    if isinstance(first, Int8Weight):
-        return Int8Weight(torch.cat([w.q for w in weights]), torch.cat([w.scale for w in weights]))
+    if isinstance(first, Int8Weight | Fp8Weight):
+        return type(first)(torch.cat([w.q for w in weights]), torch.cat([w.scale for w in weights]))
     perms = [w.input_perm for w in weights]
     if any(type(w) is not Int4Weight or w.group_size != first.group_size for w in weights):
         raise ValueError("fused shards must share one quantization scheme")

@@ -1,0 +1,105 @@
+"""The int8 / int4 few-row kernels (kernels/quant_cpu_kernels.cpp) against the dequantized weight's matmul."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu_worker.engine.kernels import quant_cpu_kernels
+from gpu_worker.engine.quantization.weights import quantize_int4, quantize_int8
+
+pytestmark = pytest.mark.skipif(quant_cpu_kernels() is None,
+                                reason="the quantized CPU kernels need AVX2 + FMA + F16C and a C++ toolchain")
+
+# (N, K): one row, odd row counts, the smallest K, SmolLM2-135M's projections, a 32000 x 256 LM head.
+SHAPES = [(1, 32), (7, 64), (1000, 576), (17, 1536), (32000, 256)]
+GROUP_SIZES = [32, 64, 128, 256]
+
+
+def _weight(n: int, k: int) -> torch.Tensor:
+    torch.manual_seed(n * 7919 + k)
+    return torch.randn(n, k) * 0.05
+
+
+def _x(m: int, k: int) -> torch.Tensor:
+    return torch.randn(m, k)
+
+
+def _assert_matches(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    """`got` against x @ w.T in float64 (x as the kernel saw it): fp32 accumulation error only in float32;
+    float32 within bf16's rounding of the output in bfloat16."""
+    assert got.dtype == x.dtype and got.shape == (x.shape[0], w.shape[0])
+    want = x.double() @ w.double().T
+    scale = x.double().abs() @ w.double().abs().T  # sum |x w|: what fp32 summation error scales with
+    tol = 1e-5 * scale + 1e-6
+    if x.dtype == torch.bfloat16:
+        tol += 2 ** -8 * want.abs()  # rounding the output: half an ulp of bf16 (2^-9 relative), with margin
+    err = (got.double() - want).abs()
+    assert (err <= tol).all(), f"max error {err.max().item():.3g} (tolerance there {tol.flatten()[err.argmax()]:.3g})"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+def test_int8_matches_the_dequantized_matmul(n, k, m, dtype):
+    weight = quantize_int8(_weight(n, k))
+    x = _x(m, k).to(dtype)
+    _assert_matches(quant_cpu_kernels().int8_gemv(x, weight.q, weight.scale), x, weight.dequantize())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize(("n", "k", "group_size"), [(n, k, g) for n, k in SHAPES for g in GROUP_SIZES if k % g == 0])
+def test_int4_matches_the_dequantized_matmul(n, k, group_size, m, dtype):
+    weight = quantize_int4(_weight(n, k), group_size)
+    x = _x(m, k).to(dtype)
+    got = quant_cpu_kernels().int4_gemv(x, weight.packed, weight.scale, weight.zero, group_size)
+    _assert_matches(got, x, weight.dequantize())
+
+
+def test_up_to_eight_rows_and_bf16_scales():
+    weight8, weight4 = quantize_int8(_weight(33, 256)), quantize_int4(_weight(33, 256), 64)
+    x = _x(8, 256)
+    # Our quantizers make scales and zeros bf16-exact, so their bf16 copies are the same weight in half the bytes.
+    _assert_matches(quant_cpu_kernels().int8_gemv(x, weight8.q, weight8.scale.bfloat16()), x, weight8.dequantize())
+    got = quant_cpu_kernels().int4_gemv(x, weight4.packed, weight4.scale.bfloat16(), weight4.zero.bfloat16(), 64)
+    _assert_matches(got, x, weight4.dequantize())
+
+
+def test_bf16_output_is_the_fp32_output_rounded_as_torch_rounds():
+    # The same bf16-exact x in either dtype: the fp32 sums are identical, so the bf16 outputs must be torch's
+    # rounding of the fp32 ones, bit for bit. The first rows' outputs are the scales themselves: two ties
+    # (to even: down, then up), a negative tie and a subnormal.
+    weight = quantize_int8(_weight(64, 64))
+    weight.q[:4] = 0
+    weight.q[:4, 0] = 1
+    weight.scale[:4] = torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -8), 2.0 ** -130])
+    x = _x(3, 64).bfloat16()
+    x[:, 0] = 1
+    got = quant_cpu_kernels().int8_gemv(x, weight.q, weight.scale)
+    assert torch.equal(got, quant_cpu_kernels().int8_gemv(x.float(), weight.q, weight.scale).bfloat16())
+    assert got[0, :4].tolist() == [1.0, 1 + 2 ** -6, -1.0, torch.tensor(2.0 ** -130).bfloat16().item()]
+    weight4 = quantize_int4(_weight(64, 64), 32)
+    got = quant_cpu_kernels().int4_gemv(x, weight4.packed, weight4.scale, weight4.zero, 32)
+    assert torch.equal(got, quant_cpu_kernels().int4_gemv(x.float(), weight4.packed, weight4.scale, weight4.zero,
+                                                          32).bfloat16())
+
+
+def test_bad_shapes_are_errors():
+    kernels = quant_cpu_kernels()
+    weight8 = quantize_int8(_weight(8, 64))
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        kernels.int8_gemv(torch.randn(1, 48), weight8.q[:, :48], weight8.scale)
+    with pytest.raises(RuntimeError, match="x must be"):
+        kernels.int8_gemv(torch.randn(1, 32), weight8.q, weight8.scale)  # K mismatch
+    with pytest.raises(RuntimeError, match="x must be"):
+        kernels.int8_gemv(torch.randn(9, 64), weight8.q, weight8.scale)  # more than 8 rows
+    with pytest.raises(RuntimeError, match="scale must be"):
+        kernels.int8_gemv(torch.randn(1, 64), weight8.q, weight8.scale[:7])
+    weight4 = quantize_int4(_weight(8, 64), 32)
+    with pytest.raises(RuntimeError, match="multiple of group_size"):
+        kernels.int4_gemv(torch.randn(1, 64), weight4.packed, weight4.scale, weight4.zero, 128)
+    with pytest.raises(RuntimeError, match="group_size must be"):
+        kernels.int4_gemv(torch.randn(1, 64), weight4.packed, weight4.scale, weight4.zero, 16)
+    with pytest.raises(RuntimeError, match="zero must be"):
+        kernels.int4_gemv(torch.randn(1, 64), weight4.packed, weight4.scale, weight4.zero[:, :1], 32)
