@@ -93,6 +93,22 @@ class EngineSide:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
         return [out.token_ids for out in self.llm.generate(prompts, params)]
 
+    def teacher_forced_argmax(self, sequences: list[list[int]]) -> list[list[int]]:
+        """The model's top token after every position of each sequence, all positions in one forward (one
+        prefill chunk per sequence: the model's hidden states are read as the engine computes them)."""
+        from gpu_worker.engine import SamplingParams
+
+        model = self.llm.engine.runner.model
+        found: list[list[int]] = []
+        hook = model.register_forward_hook(
+            lambda _m, _args, hidden: found.append(model.logits(hidden).argmax(dim=-1).tolist()))
+        try:
+            for seq in sequences:
+                self.llm.generate([seq], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0))
+        finally:
+            hook.remove()
+        return found
+
 
 class HFSide:
     def __init__(self, config: Configuration, stop_ids: frozenset[int]):

@@ -4,8 +4,10 @@ Quality (`bench quality`'s measures, bf16 as the reference): weight bytes, perpl
 agreement with bf16 over 256 tokens, task accuracy. Speed: batch-1 decode and a mixed workload for every mode,
 interleaved in rounds (each round runs every mode once, back to back), reported as the median ratio to bf16
 with its spread; with `--peer llamacpp`, llama.cpp's q8_0 and q4_0 of the same checkpoint take part in each
-round too. Modes: int8 / int4 quantized at load time (round to nearest), int4-awq written by `tokenfleet
-quantize` (activation-aware scales) and served with no flag.
+round too. Modes: int8 / int4 quantized at load time (round to nearest, groups of 128 or the largest that
+divides a layer's inputs), int4-awq (-g32) written by `tokenfleet quantize` (activation-aware scales, groups
+of 128 or 32) and served with no flag; gguf: a GGUF model's own file, its Q8_0 / Q4_0 / Q4_1 matrices served as
+int8 / int4 (the other modes then start from a dense bf16 copy of the file's weights).
 """
 
 from __future__ import annotations
@@ -26,24 +28,41 @@ from .quality_tasks import agreement, load_tasks
 from .report import publish
 from .workloads import batch1, mixed
 
-MODES = ("bf16", "int8", "int4", "int4-awq")
-PEER_TYPES = {"int8": "q8_0", "int4": "q4_0"}  # llama.cpp's nearest formats
+MODES = ("bf16", "int8", "int4", "int4-awq", "int4-awq-g32", "gguf")
+PEER_TYPES = {"int8": "q8_0", "int4": "q4_0", "gguf": "q4_1"}  # llama.cpp's nearest formats
+FORMAT_VERSION = 2  # of `tokenfleet quantize`'s files: int4 offsets since version 2 (zeros before)
 
 
 def mode_configuration(mode: str, model: str) -> Configuration:
-    if mode == "int4-awq":
-        return Configuration(str(converted(model, "int4")), "bfloat16")
-    return Configuration(model, "bfloat16", quantization=None if mode == "bf16" else mode)
+    if mode == "gguf":
+        return Configuration(model, "bfloat16")  # the file's own quantized matrices, served as stored
+    dense = dense_checkpoint(model)
+    if mode.startswith("int4-awq"):
+        return Configuration(str(converted(dense, "int4", 32 if mode.endswith("g32") else 128)), "bfloat16")
+    return Configuration(dense, "bfloat16", quantization=None if mode == "bf16" else mode)
 
 
-def converted(model: str, method: str) -> Path:
+def is_gguf(model: str) -> bool:
+    from gpu_worker.engine.checkpoint import resolve_model_path
+
+    path = resolve_model_path(model)
+    return path.suffix == ".gguf" or (path.is_dir() and any(path.glob("*.gguf")))
+
+
+def dense_checkpoint(model: str) -> str:
+    """The model with dense weights: a GGUF file serves its quantized matrices as they are, so its bf16
+    reference (and the start of every other mode) is a dense bf16 copy of its dequantized weights."""
+    return str(converted(model, "bf16", 0)) if is_gguf(model) else model
+
+
+def converted(model: str, method: str, group_size: int) -> Path:
     """`tokenfleet quantize`'s output for the model, made once and kept in the cache folder."""
     from gpu_worker.engine.builtin_models import cache_dir
     from gpu_worker.engine.quantization.convert import quantize_checkpoint
 
-    out = cache_dir() / "quantized" / f"{Path(model).stem}-{method}"
+    out = cache_dir() / "quantized" / f"{Path(model).stem}-{method}-g{group_size}-v{FORMAT_VERSION}"
     if not (out / "model.safetensors").is_file():
-        quantize_checkpoint(model, method, out)
+        quantize_checkpoint(model, method, out, group_size)
     return out
 
 
@@ -58,11 +77,25 @@ def quality(model: str, modes: list[str], settings: Settings) -> dict:
         tokens = measured.pop("greedy_tokens")
         reference_tokens = reference_tokens or tokens
         measured["agreement"] = agreement(tokens, reference_tokens)
+        measured["teacher_forced_pct"] = teacher_forced_agreement(side, inputs.prompts, reference_tokens)
         measured["weight_bytes"] = weight_bytes(side.llm.engine.runner.model)
         results[mode] = measured
         del side
         gc.collect()
     return results
+
+
+def teacher_forced_agreement(side: EngineSide, prompts: list[list[int]], reference: list[list[int]]) -> float:
+    """% of bf16's greedy tokens that are also this mode's top token when fed bf16's own prefix: agreement
+    per position, without the compounding of free-running generation (one early difference there makes every
+    later position differ)."""
+    same = total = 0
+    for prompt, tokens, top in zip(prompts, reference, side.teacher_forced_argmax(
+            [p + t for p, t in zip(prompts, reference, strict=True)]), strict=True):
+        predicted = top[len(prompt) - 1:len(prompt) - 1 + len(tokens)]
+        same += sum(a == b for a, b in zip(predicted, tokens, strict=True))
+        total += len(tokens)
+    return 100 * same / total
 
 
 def speed(model: str, modes: list[str], args: Namespace) -> dict:
@@ -130,14 +163,14 @@ def format_table(r: dict) -> str:
         base = q["bf16"]
         lines += [f"quality: perplexity on {s['windows']} windows x {s['window_len']} tokens, greedy agreement "
                   f"with bf16 on {s['prompts']} prompts x {s['new_tokens']} tokens",
-                  "", "| mode | weight bytes | × bf16 | perplexity | Δ ppl | greedy agreement | first divergence "
-                  "(median) | tasks |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+                  "", "| mode | weight bytes | × bf16 | perplexity | Δ ppl | teacher-forced agreement | free-running "
+                  "agreement | first divergence (median) | tasks |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for mode, m in q.items():
             ppl, ref = m["perplexity"]["perplexity"], base["perplexity"]["perplexity"]
             a = m["agreement"]
             size = m["weight_bytes"]
             lines.append(f"| {mode} | {size / 1e6:.1f} MB | {size / base['weight_bytes']:.3f} | {ppl:.3f} "
-                         f"| {(ppl / ref - 1):+.2%} | {a['mean_equal_pct']:.1f}% | "
+                         f"| {(ppl / ref - 1):+.2%} | {m['teacher_forced_pct']:.1f}% | {a['mean_equal_pct']:.1f}% | "
                          f"{a['median_first_divergence']:g} | {m['tasks']['accuracy']:.1%} |")
         lines.append("")
     if "speed" in r:

@@ -187,7 +187,8 @@ def _add_service_commands(sub) -> None:
 
     quantize = sub.add_parser("quantize", help="write an int8 / int4 copy of a checkpoint that serves with no flag")
     quantize.add_argument("--model", required=True, help="a model name, an HF directory or a .gguf file")
-    quantize.add_argument("--method", required=True, choices=["int8", "int4"])
+    quantize.add_argument("--method", required=True, choices=["int8", "int4", "bf16"],
+                          help="bf16: a plain dense copy (e.g. of a GGUF file's dequantized weights)")
     quantize.add_argument("--group-size", type=int, default=128, help="int4: inputs per group of one scale")
     quantize.add_argument("--calibration", type=Path, default=None,
                           help="int4: text whose activations choose the AWQ scales (default: a shipped sample)")

@@ -49,7 +49,7 @@ c.main()
 
 # Our dtype names -> llama.cpp's file types (llama_ftype); the quantized ones are made with llama-quantize's API.
 FTYPES = {"fp32": "LLAMA_FTYPE_ALL_F32", "bf16": "LLAMA_FTYPE_MOSTLY_BF16", "q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0",
-          "q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0"}
+          "q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "q4_1": "LLAMA_FTYPE_MOSTLY_Q4_1"}
 
 
 def ensure_gguf(model: str, dtype: str, work_dir: Path, version: str) -> Path:

@@ -72,16 +72,22 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernel(x, self.weight, self.bias)
 
+    def forward_float32(self, x: torch.Tensor) -> torch.Tensor:
+        """The product in float32 where the kernel computes it so anyway (the quantized GEMVs), else `forward`."""
+        float32_output = getattr(self.kernel, "float32_output", None)
+        return self.forward(x) if float32_output is None else float32_output(x, self.bias)
+
     def pack(self) -> None:
         """Prepack the loaded weight for the CPU kernel; the original stays for tied embeddings."""
         if self.weight is not None and OneDnnPackedLinearKernel.supports(self.weight):
             self.kernel = OneDnnPackedLinearKernel(self.weight)
 
-    def quantize(self, weight: QuantizedWeight, dtype: torch.dtype, device: torch.device) -> None:
+    def quantize(self, weight: QuantizedWeight, dtype: torch.dtype, device: torch.device,
+                 shares_weight: bool = False) -> None:
         if tuple(weight.shape) != (self.out_features, self.in_features):
             raise ValueError(f"quantized weight of shape {tuple(weight.shape)} for a linear of "
                              f"{(self.out_features, self.in_features)}")
-        self.kernel = quantized_linear_kernel(weight.to(device), dtype, device)
+        self.kernel = quantized_linear_kernel(weight.to(device), dtype, device, shares_weight)
         self.weight = None
 
 

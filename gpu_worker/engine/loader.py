@@ -2,7 +2,8 @@
 
 Dense weights are copied into place (q/k/v and gate/up into their fused parameters). A pre-quantized
 checkpoint's linears arrive as several tensors each (`qweight`, `scales`, ...): its format turns them into
-one quantized weight per shard, and the fused linear is quantized once all its shards are in. With a
+one quantized weight per shard, and the fused linear is quantized once all its shards are in (a GGUF file's
+quantized matrices arrive as such weights whole; float32, the reference dtype, serves them dense). With a
 `quantizer`, dense weights are quantized at load time instead. Linear weights are allocated only when a
 dense tensor arrives for them, so a quantized model never holds a dense copy.
 """
@@ -62,7 +63,12 @@ def load_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device,
     parts: dict[str, dict[str, torch.Tensor]] = {}  # each quantized module's tensors (qweight, scales...)
     for hf_name, tensor in checkpoint.tensors():
         module, _, suffix = hf_name.rpartition(".")
-        if fmt is not None and suffix in fmt.tensor_names():
+        if isinstance(tensor, QuantizedWeight):  # a GGUF matrix, quantized as the file stores it
+            if dtype == torch.float32:  # the reference dtype serves dense weights, exactly the file's values
+                loading.copy(hf_name, tensor.dequantize())
+            else:
+                loading.add_quantized(hf_name, tensor)
+        elif fmt is not None and suffix in fmt.tensor_names():
             parts.setdefault(module, {})[suffix] = tensor
         else:
             loading.copy(hf_name, tensor)
@@ -143,17 +149,22 @@ class _Loading:
 
 def _tie_lm_head(model: Transformer, dtype: torch.dtype, device: torch.device) -> None:
     if model.embed_tokens.quantized is not None:
-        model.lm_head.quantize(model.embed_tokens.quantized, dtype, device)
+        model.lm_head.quantize(model.embed_tokens.quantized, dtype, device, shares_weight=True)
     else:
         model.lm_head.weight = model.embed_tokens.weight
 
 
 def quantize_model(model: Transformer, quantizer: WeightQuantizer, dtype: torch.dtype, device: torch.device) -> None:
-    """Quantizes every linear and the embedding table in place (a tied LM head shares the table's weight)."""
-    tied = model.lm_head.weight is model.embed_tokens.weight
-    table = quantizer.for_table(tied)(model.embed_tokens.weight.detach())
-    model.embed_tokens.quantize(table, dtype, device)
+    """Quantizes every dense linear and the embedding table in place (a tied LM head shares the table's weight);
+    weights the checkpoint brought quantized stay as they are."""
+    table = model.embed_tokens.weight
+    tied = table is not None and model.lm_head.weight is table
+    if table is not None:
+        table = quantizer.for_table(tied)(table.detach())
+        model.embed_tokens.quantize(table, dtype, device)
     for module in model.modules():
         if isinstance(module, Linear) and module.weight is not None:
-            module.quantize(table if tied and module is model.lm_head else quantizer(module.weight.detach()),
-                            dtype, device)
+            if tied and module is model.lm_head:
+                module.quantize(table, dtype, device, shares_weight=True)
+            else:
+                module.quantize(quantizer(module.weight.detach()), dtype, device)

@@ -121,5 +121,6 @@ class Transformer(nn.Module):
         return self.norm(x, residual)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """In the model's dtype: the sampler upcasts only when it needs more than an argmax."""
-        return self.lm_head(hidden)
+        """In the model's dtype, or float32 where the LM head's kernel has them so at no cost: the sampler
+        upcasts only when it needs more than an argmax."""
+        return self.lm_head.forward_float32(hidden)

@@ -12,7 +12,9 @@ import torch
 
 from gpu_worker.engine import LLM, ModelLoadError, SamplingParams
 from gpu_worker.engine.checkpoint import open_checkpoint
+from gpu_worker.engine.kernels import quant_cpu_kernels
 from gpu_worker.engine.packaged_models import packaged_model_path
+from gpu_worker.engine.quantization.kernels import CpuInt4LinearKernel, CpuInt8LinearKernel, DequantLinearKernel
 from tests.conftest import DEVICE
 from tests.gguf_files import write_gguf
 
@@ -162,3 +164,45 @@ def test_a_gguf_file_quantizes_to_a_directory_serving_what_load_time_int8_serves
     load_time = LLM(str(path), dtype="float32", device=DEVICE, kv_cache_memory_bytes=64 << 20, quantization="int8")
     assert ours_greedy(str(done.out), PROMPTS, 16) == ours_greedy(load_time, PROMPTS, 16)
     assert open_checkpoint(done.out).tokenizer().encode("hello world") == load_time.tokenizer.encode("hello world")
+
+
+@pytest.mark.parametrize("tensor_type", [T.Q8_0, T.Q4_0, T.Q4_1], ids=lambda t: t.name)
+def test_q8_0_and_q4_matrices_arrive_quantized_and_dequantize_to_ggmls_values(small_checkpoint, tmp_path,
+                                                                             tensor_type):
+    from gpu_worker.engine.gguf.quantized import native_weight
+
+    path = write_gguf(small_checkpoint("llama"), tmp_path / "model.gguf", tensor_type)
+    matrices = [t for t in gguf.GGUFReader(path).tensors if t.tensor_type == tensor_type]
+    assert matrices
+    for tensor in matrices:
+        weight = native_weight(tensor)
+        assert weight.bits == (8 if tensor_type == T.Q8_0 else 4) and weight.group_size == 32
+        reference = torch.from_numpy(gguf.quants.dequantize(tensor.data, tensor.tensor_type).copy())
+        assert torch.equal(weight.dequantize(), reference.reshape(weight.shape)), tensor.name
+
+
+@pytest.mark.parametrize(("tensor_type", "bits"), [(T.Q8_0, 8), (T.Q4_0, 4), (T.Q4_1, 4)], ids=lambda t: str(t))
+def test_a_quantized_gguf_file_serves_its_own_weights_in_bfloat16(small_checkpoint, tmp_path, tensor_type, bits):
+    path = write_gguf(small_checkpoint("qwen2"), tmp_path / "model.gguf", tensor_type)
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+
+    def prompt_logprobs(llm):
+        return torch.tensor([v for out in llm.generate(PROMPTS, params) for v in out.prompt_logprobs[1:]])
+
+    served = LLM(str(path), device=DEVICE, kv_cache_memory_bytes=64 << 20)
+    model = served.engine.runner.model
+    down = model.layers[0].mlp.down_proj
+    assert down.weight is None  # no dense copy: the kernel holds the file's weight
+    if quant_cpu_kernels() is None:
+        assert isinstance(down.kernel, DequantLinearKernel) and down.kernel.weight.bits == bits
+    else:
+        assert isinstance(down.kernel, CpuInt8LinearKernel if bits == 8 else CpuInt4LinearKernel)
+    # Against the same weights dense in float32 (the reference dtype dequantizes them at load), serving them
+    # quantized in bf16 is as close as serving a dense bf16 copy (`tokenfleet quantize --method bf16`) is.
+    from gpu_worker.engine.quantization.convert import quantize_checkpoint
+
+    reference = prompt_logprobs(float32_llm(str(path)))
+    dense = LLM(str(quantize_checkpoint(str(path), "bf16", tmp_path / "bf16").out), device=DEVICE,
+                kv_cache_memory_bytes=64 << 20)
+    dense_error = (prompt_logprobs(dense) - reference).abs().mean()
+    assert (prompt_logprobs(served) - reference).abs().mean() <= 1.5 * dense_error

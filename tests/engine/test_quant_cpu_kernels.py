@@ -1,4 +1,5 @@
-"""The int8 / int4 few-row kernels (kernels/quant_cpu_kernels.cpp) against the dequantized weight's matmul."""
+"""The int8 / int4 kernels (kernels/quant_cpu_kernels.cpp), few-row and many-row, against the dequantized weight's
+matmul."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 
 from gpu_worker.engine.kernels import quant_cpu_kernels
-from gpu_worker.engine.quantization.weights import quantize_int4, quantize_int8
+from gpu_worker.engine.quantization.weights import Int8Weight, quantize_int4, quantize_int8
 
 pytestmark = pytest.mark.skipif(quant_cpu_kernels() is None,
                                 reason="the quantized CPU kernels need AVX2 + FMA + F16C and a C++ toolchain")
@@ -38,13 +39,30 @@ def _assert_matches(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None
     assert (err <= tol).all(), f"max error {err.max().item():.3g} (tolerance there {tol.flatten()[err.argmax()]:.3g})"
 
 
+def _int8_gemv(x, weight):
+    return quant_cpu_kernels().int8_gemv(x, weight.q, weight.group_scale)
+
+
+def _int4_gemv(x, weight):
+    return quant_cpu_kernels().int4_gemv(x, weight.packed, weight.scale, weight.offset)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
 @pytest.mark.parametrize(("n", "k"), SHAPES)
 def test_int8_matches_the_dequantized_matmul(n, k, m, dtype):
     weight = quantize_int8(_weight(n, k))
     x = _x(m, k).to(dtype)
-    _assert_matches(quant_cpu_kernels().int8_gemv(x, weight.q, weight.scale), x, weight.dequantize())
+    _assert_matches(_int8_gemv(x, weight), x, weight.dequantize())
+
+
+@pytest.mark.parametrize("m", [1, 3])
+def test_int8_with_a_scale_per_group_of_32_matches_the_dequantized_matmul(m):
+    # GGUF's Q8_0: one scale per 32 inputs.
+    q = torch.randint(-127, 128, (1000, 576), dtype=torch.int8)
+    weight = Int8Weight(q, torch.rand(1000, 18) * 0.01, group_size=32)
+    x = _x(m, 576)
+    _assert_matches(_int8_gemv(x, weight), x, weight.dequantize())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -53,16 +71,37 @@ def test_int8_matches_the_dequantized_matmul(n, k, m, dtype):
 def test_int4_matches_the_dequantized_matmul(n, k, group_size, m, dtype):
     weight = quantize_int4(_weight(n, k), group_size)
     x = _x(m, k).to(dtype)
-    got = quant_cpu_kernels().int4_gemv(x, weight.packed, weight.scale, weight.zero, group_size)
-    _assert_matches(got, x, weight.dequantize())
+    _assert_matches(_int4_gemv(x, weight), x, weight.dequantize())
+
+
+def _assert_matches_bf16_tiles(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    """The many-row path multiplies bf16 x by the weight rounded to bf16, accumulating in fp32."""
+    want = x.bfloat16().double() @ w.bfloat16().double().T
+    scale = x.double().abs() @ w.double().abs().T
+    err = (got.double() - want).abs()
+    assert got.dtype == x.dtype and got.shape == want.shape
+    assert (err <= 1e-5 * scale + 2 ** -8 * want.abs() + 1e-6).all(), f"max error {err.max().item():.3g}"
+
+
+@pytest.mark.parametrize("m", [5, 64, 300])
+@pytest.mark.parametrize(("n", "k"), [(7, 64), (1000, 576), (17, 1536), (32000, 256)])
+def test_many_rows_match_the_dequantized_matmul(n, k, m):
+    w = _weight(n, k)
+    x = _x(m, k).bfloat16()
+    int8, int4 = quantize_int8(w), quantize_int4(w, 32)
+    kernels = quant_cpu_kernels()
+    _assert_matches_bf16_tiles(kernels.int8_dequant_mm(x, int8.q, int8.group_scale.bfloat16()), x, int8.dequantize())
+    got = kernels.int4_dequant_mm(x, int4.packed, int4.scale.bfloat16(), int4.offset.bfloat16())
+    _assert_matches_bf16_tiles(got, x, int4.dequantize())
 
 
 def test_up_to_eight_rows_and_bf16_scales():
     weight8, weight4 = quantize_int8(_weight(33, 256)), quantize_int4(_weight(33, 256), 64)
     x = _x(8, 256)
-    # Our quantizers make scales and zeros bf16-exact, so their bf16 copies are the same weight in half the bytes.
-    _assert_matches(quant_cpu_kernels().int8_gemv(x, weight8.q, weight8.scale.bfloat16()), x, weight8.dequantize())
-    got = quant_cpu_kernels().int4_gemv(x, weight4.packed, weight4.scale.bfloat16(), weight4.zero.bfloat16(), 64)
+    # Our quantizers make scales and offsets bf16-exact, so their bf16 copies are the same weight in half the bytes.
+    got = quant_cpu_kernels().int8_gemv(x, weight8.q, weight8.group_scale.bfloat16())
+    _assert_matches(got, x, weight8.dequantize())
+    got = quant_cpu_kernels().int4_gemv(x, weight4.packed, weight4.scale.bfloat16(), weight4.offset.bfloat16())
     _assert_matches(got, x, weight4.dequantize())
 
 
@@ -76,30 +115,32 @@ def test_bf16_output_is_the_fp32_output_rounded_as_torch_rounds():
     weight.scale[:4] = torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -8), 2.0 ** -130])
     x = _x(3, 64).bfloat16()
     x[:, 0] = 1
-    got = quant_cpu_kernels().int8_gemv(x, weight.q, weight.scale)
-    assert torch.equal(got, quant_cpu_kernels().int8_gemv(x.float(), weight.q, weight.scale).bfloat16())
+    got = _int8_gemv(x, weight)
+    assert torch.equal(got, _int8_gemv(x.float(), weight).bfloat16())
     assert got[0, :4].tolist() == [1.0, 1 + 2 ** -6, -1.0, torch.tensor(2.0 ** -130).bfloat16().item()]
     weight4 = quantize_int4(_weight(64, 64), 32)
-    got = quant_cpu_kernels().int4_gemv(x, weight4.packed, weight4.scale, weight4.zero, 32)
-    assert torch.equal(got, quant_cpu_kernels().int4_gemv(x.float(), weight4.packed, weight4.scale, weight4.zero,
-                                                          32).bfloat16())
+    assert torch.equal(_int4_gemv(x, weight4), _int4_gemv(x.float(), weight4).bfloat16())
 
 
 def test_bad_shapes_are_errors():
     kernels = quant_cpu_kernels()
     weight8 = quantize_int8(_weight(8, 64))
+    scale8 = weight8.group_scale
     with pytest.raises(RuntimeError, match="multiple of 32"):
-        kernels.int8_gemv(torch.randn(1, 48), weight8.q[:, :48], weight8.scale)
+        kernels.int8_gemv(torch.randn(1, 48), weight8.q[:, :48].contiguous(), scale8)
     with pytest.raises(RuntimeError, match="x must be"):
-        kernels.int8_gemv(torch.randn(1, 32), weight8.q, weight8.scale)  # K mismatch
+        kernels.int8_gemv(torch.randn(1, 32), weight8.q, scale8)  # K mismatch
     with pytest.raises(RuntimeError, match="x must be"):
-        kernels.int8_gemv(torch.randn(9, 64), weight8.q, weight8.scale)  # more than 8 rows
+        kernels.int8_gemv(torch.randn(9, 64), weight8.q, scale8)  # more than 8 rows
     with pytest.raises(RuntimeError, match="scale must be"):
-        kernels.int8_gemv(torch.randn(1, 64), weight8.q, weight8.scale[:7])
+        kernels.int8_gemv(torch.randn(1, 64), weight8.q, scale8[:7])
+    with pytest.raises(RuntimeError, match="x must be"):
+        kernels.int8_dequant_mm(torch.randn(20, 32), weight8.q, scale8)
     weight4 = quantize_int4(_weight(8, 64), 32)
-    with pytest.raises(RuntimeError, match="multiple of group_size"):
-        kernels.int4_gemv(torch.randn(1, 64), weight4.packed, weight4.scale, weight4.zero, 128)
-    with pytest.raises(RuntimeError, match="group_size must be"):
-        kernels.int4_gemv(torch.randn(1, 64), weight4.packed, weight4.scale, weight4.zero, 16)
-    with pytest.raises(RuntimeError, match="zero must be"):
-        kernels.int4_gemv(torch.randn(1, 64), weight4.packed, weight4.scale, weight4.zero[:, :1], 32)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        kernels.int4_gemv(torch.randn(1, 64), weight4.packed, weight4.scale[:, :1].repeat(1, 4),
+                          weight4.offset[:, :1].repeat(1, 4))  # groups of 16
+    with pytest.raises(RuntimeError, match="offset must be"):
+        kernels.int4_gemv(torch.randn(1, 64), weight4.packed, weight4.scale, weight4.offset[:, :1])
+    with pytest.raises(RuntimeError, match="one dtype"):
+        kernels.int4_dequant_mm(torch.randn(9, 64), weight4.packed, weight4.scale, weight4.offset.bfloat16())

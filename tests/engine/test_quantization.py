@@ -14,6 +14,8 @@ from gpu_worker.engine.quantization.kernels import (
     CpuInt4LinearKernel,
     CpuInt8LinearKernel,
     DequantLinearKernel,
+    OneDnnInt8LinearKernel,
+    onednn_int8_matmul,
     quantized_linear_kernel,
 )
 from gpu_worker.engine.quantization.methods import WeightQuantizer
@@ -93,20 +95,27 @@ def test_awq_weights_dequantize_to_the_packers_input():
 
 
 @pytest.mark.parametrize("n,k,rows", [(64, 256, 1), (96, 512, 5), (32000, 128, 2), (48, 64, 33)])
-@pytest.mark.parametrize("bits", [8, 4])
-def test_cpu_kernels_match_the_dequantizing_reference(n, k, rows, bits):
+@pytest.mark.parametrize("kernel_type", [OneDnnInt8LinearKernel, CpuInt8LinearKernel, CpuInt4LinearKernel])
+def test_cpu_kernels_match_the_dequantizing_reference(n, k, rows, kernel_type):
     generator = torch.Generator().manual_seed(n + k)
     w = torch.randn(n, k, generator=generator) / k**0.5
-    weight = quantize_int8(w) if bits == 8 else quantize_int4(w, 64)
+    weight = quantize_int4(w, 64) if kernel_type is CpuInt4LinearKernel else quantize_int8(w)
+    if not kernel_type.supports(weight, torch.bfloat16, torch.device("cpu")):
+        pytest.skip(f"{kernel_type.__name__} does not run on this CPU")
     x = torch.randn(rows, k, generator=generator)
     bias = torch.randn(n, generator=generator)
-    kernel_type = CpuInt8LinearKernel if bits == 8 else CpuInt4LinearKernel
     expected = DequantLinearKernel(weight)(x, None, bias)
-    # Served in bf16 only; float32 checks the kernel's math at fp32 precision.
-    torch.testing.assert_close(kernel_type(weight, torch.float32)(x, None, bias), expected, rtol=1e-4, atol=1e-4)
+    got = kernel_type(weight, torch.bfloat16)(x.bfloat16(), None, bias.bfloat16()).float()
+    torch.testing.assert_close(got, expected, rtol=0.05, atol=0.05)
+
+
+def test_int8_weights_take_the_int8_matmul_where_onednn_has_it():
+    weight = quantize_int8(torch.randn(64, 256))
     kernel = quantized_linear_kernel(weight, torch.bfloat16, torch.device("cpu"))
-    assert isinstance(kernel, kernel_type)
-    torch.testing.assert_close(kernel(x.bfloat16(), None, bias.bfloat16()).float(), expected, rtol=0.05, atol=0.05)
+    assert isinstance(kernel, OneDnnInt8LinearKernel if onednn_int8_matmul() else CpuInt8LinearKernel)
+    # A weight the embedding table shares keeps one copy: the row-major kernel reads the table's own tensor.
+    shared = quantized_linear_kernel(weight, torch.bfloat16, torch.device("cpu"), shares_weight=True)
+    assert isinstance(shared, CpuInt8LinearKernel) and shared.q.data_ptr() == weight.q.data_ptr()
 
 
 def test_cpu_int4_kernel_permutes_inputs_for_act_order_weights():
@@ -122,9 +131,10 @@ def test_cpu_int4_kernel_permutes_inputs_for_act_order_weights():
 
 def test_odd_shapes_and_float32_take_the_reference_kernel():
     cpu = torch.device("cpu")
-    assert isinstance(quantized_linear_kernel(quantize_int8(torch.randn(16, 70)), torch.bfloat16, cpu),
-                      DequantLinearKernel)
-    assert isinstance(quantized_linear_kernel(quantize_int4(torch.randn(40, 64), 32), torch.bfloat16, cpu),
+    # The row-major kernels read 32 inputs at a time (oneDNN's int8 matmul, which copies the weight, takes any K).
+    assert isinstance(quantized_linear_kernel(quantize_int8(torch.randn(16, 70)), torch.bfloat16, cpu,
+                                              shares_weight=True), DequantLinearKernel)
+    assert isinstance(quantized_linear_kernel(quantize_int4(torch.randn(40, 64), 16), torch.bfloat16, cpu),
                       DequantLinearKernel)
     assert isinstance(quantized_linear_kernel(quantize_int8(torch.randn(16, 64)), torch.float32, cpu),
                       DequantLinearKernel)

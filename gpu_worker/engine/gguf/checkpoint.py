@@ -1,5 +1,6 @@
 """A llama.cpp GGUF file as a checkpoint: hyper-parameters from its metadata, weights renamed to HF's names and
-layout (dequantized to float32; the loader casts them to the serving dtype), the tokenizer from its metadata.
+layout (Q8_0 / Q4_0 / Q4_1 matrices as our int8 / int4 weights, others dequantized to float32; the loader casts
+them to the serving dtype), the tokenizer from its metadata.
 
 Only llama-family files are served: `general.architecture` llama (Llama, Mistral and SmolLM files use it) or
 qwen2. Nothing is written next to the user's file.
@@ -16,9 +17,11 @@ import torch
 
 from ..errors import ModelLoadError
 from ..model_config import ModelConfig
+from ..quantization.weights import QuantizedWeight
 from ..tokenizer import Tokenizer
 from . import metadata
 from .dequantize import dequantize
+from .quantized import native_weight
 
 # general.architecture -> the HF architecture whose config and weight names the file maps to
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -50,7 +53,7 @@ _PLAIN_DTYPES = {gguf.GGMLQuantizationType.F32: torch.float32, gguf.GGMLQuantiza
 class GgufCheckpoint:
     def __init__(self, path: Path):
         self.path = path
-        self.quantization = None  # dequantized as it loads
+        self.quantization = None  # no format of separate tensors (qweight, scales): quantized matrices come whole
         try:
             self.reader = gguf.GGUFReader(path)
         except (ValueError, OSError) as exc:
@@ -66,14 +69,15 @@ class GgufCheckpoint:
 
         return Tokenizer(build_tokenizer(self.reader))
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+        """Q8_0 / Q4_0 / Q4_1 matrices arrive as quantized weights (`quantized.py`), the rest dequantized."""
         for tensor in self.reader.tensors:
             name = hf_name(tensor.name)
-            weight = dequantize(tensor)
+            weight = native_weight(tensor) or dequantize(tensor)
             if self.arch in _PERMUTED_QK and name.endswith(("q_proj.weight", "q_proj.bias")):
-                weight = unpermute_rotary(weight, self.config.num_heads)
+                weight = _unpermute(weight, self.config.num_heads)
             elif self.arch in _PERMUTED_QK and name.endswith(("k_proj.weight", "k_proj.bias")):
-                weight = unpermute_rotary(weight, self.config.num_kv_heads)
+                weight = _unpermute(weight, self.config.num_kv_heads)
             yield name, weight
 
     # ---- metadata ---------------------------------------------------------------------------------------
@@ -133,6 +137,12 @@ def hf_name(gguf_name: str) -> str:
         raise ModelLoadError(f"GGUF tensor {gguf_name!r} has no place in a llama-family model")
     layer, part, kind = match.groups()
     return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+
+
+def _unpermute(weight: torch.Tensor | QuantizedWeight, num_heads: int) -> torch.Tensor | QuantizedWeight:
+    if isinstance(weight, torch.Tensor):
+        return unpermute_rotary(weight, num_heads)
+    return weight.select_rows(unpermute_rotary(torch.arange(weight.shape[0]), num_heads))
 
 
 def unpermute_rotary(weight: torch.Tensor, num_heads: int) -> torch.Tensor:

@@ -1,21 +1,24 @@
-// Few-row (M = 1..8) products with int8 and int4 weights (AVX2 + FMA), each checked against the dequantized
-// weight's matmul in tests/engine/test_quant_cpu_kernels.py.
-//
-// Why: decode at small batch reads every weight once per step and is bound by those reads. torch's weight-only
-// ops (aten._weight_int8pack_mm, aten._weight_int4pack_mm_for_cpu) reached only ~8 GB/s at M = 1 on a 2-core
-// AMD EPYC (Zen 3), slower per step than bf16 F.linear reading twice the bytes. These kernels stream the
-// quantized weight once, each OpenMP thread its own contiguous range of rows front to back (a single
-// sequential stream per thread reached the bandwidth of a plain read loop where interleaved rows did not).
-// MEASURED (see the numbers in the report that introduced this file; filled in below).
+// Products with int8 and int4 weights (AVX2 + FMA), each checked against the dequantized weight's matmul in
+// tests/engine/test_quant_cpu_kernels.py. Two regimes, as a step's row count decides:
+// - Few rows (M = 1..8, decode): bound by reading the weights. These GEMVs stream the quantized weight once
+//   for all rows, each OpenMP thread its own contiguous range of rows front to back (a single sequential stream
+//   per thread reached the bandwidth of a plain read loop where interleaved rows did not). torch's weight-only
+//   ops (aten._weight_int8pack_mm, aten._weight_int4pack_mm_for_cpu) reached only ~8 GB/s at M = 1 on a 2-core
+//   AMD EPYC (Zen 3), slower per step than bf16 F.linear reading twice the bytes.
+// - Many rows (prefill chunks, large batches): bound by arithmetic. The weight is dequantized tile by tile into a
+//   bf16 buffer that stays in cache and multiplied by oneDNN's bf16 matmul, so the dequantization is paid once
+//   for all rows (the weight-only ops redo it per row: 5-10x slower than bf16 at 32-256 rows).
 //
 // Weights are the canonical forms of gpu_worker/engine/quantization/weights.py, [N, K] row-major:
-//   int8: q int8 [N, K], scale [N]: w = q * scale.
+//   int8: q int8 [N, K], scale [N, K/G]: w = q * scale over each group of G inputs (G = K: one per channel).
 //   int4: packed uint8 [N, K/2] (input 2i in the low nibble of byte i, 2i + 1 in the high one), scale and
-//         zero [N, K/G]: w = (q - 8) * scale + zero over each group of G inputs.
-// Scales and zeros may be float32 or bfloat16 (half the bytes; our quantizers make them bf16-exact).
+//         offset [N, K/G]: w = q * scale + offset over each group of G inputs.
+// Scales and offsets may be float32 or bfloat16 (half the bytes; our quantizers make them bf16-exact).
 // x is [M, K] bf16 or fp32, converted to fp32 once; accumulation is fp32 with FMA; y is [M, N] in x's dtype.
 #include <torch/extension.h>
 #include <immintrin.h>
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -36,6 +39,14 @@ inline uint16_t to_bf16(float f) {
   return static_cast<uint16_t>(u >> 16);
 }
 
+// Round to nearest even without the NaN case: for dequantized weights, which are finite (branch-free, so the
+// dequantization loops vectorize).
+inline uint16_t to_bf16_finite(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+
 inline float load_float(const float* p) { return *p; }
 inline float load_float(const at::BFloat16* p) { return static_cast<float>(*p); }
 
@@ -52,25 +63,28 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// Independent accumulators per x row: an FMA's result feeds the next one ~4 cycles later, so one row of x
-// needs four chains to keep the FMA units busy, two rows two each, four rows one each.
+// Independent accumulator chains per x row. Each 32 weights give every row four FMAs, and an FMA's result
+// feeds the next one ~4 cycles later: one chain per row would stall on that latency (it made M = 4 run at
+// half the speed of M = 1); with 4, 2, 1 chains for M <= 2, <= 4, <= 8 the FMA units stay busy and the
+// accumulators (plus int4's per-row totals) fit in the 16 registers.
 template <int M>
-constexpr int kChains = M == 1 ? 4 : M == 2 ? 2 : 1;
+constexpr int kChains = M <= 2 ? 4 : M <= 4 ? 2 : 1;
 
 // Eight inputs of one int8 row, as floats.
 inline __m256 int8x8(const int8_t* q) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))));
 }
 
-// Eight inputs of one int4 row, as floats (q - 8). The little-endian 32-bit word at byte 4c holds inputs
-// 8c .. 8c + 7 as its nibbles 0 .. 7, in order: broadcast it and shift each lane by 4 * lane.
+// Eight inputs of one int4 row, as floats q (0 .. 15).
+// The little-endian 32-bit word at byte 4c holds inputs 8c .. 8c + 7 as its nibbles 0 .. 7, in order: broadcast
+// it and shift each lane by 4 * lane.
 inline __m256 int4x8(const uint8_t* packed) {
   uint32_t word;
   std::memcpy(&word, packed, 4);
   const __m256i nibble = _mm256_and_si256(
       _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(word)), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
       _mm256_set1_epi32(0xF));
-  return _mm256_cvtepi32_ps(_mm256_sub_epi32(nibble, _mm256_set1_epi32(8)));
+  return _mm256_cvtepi32_ps(nibble);
 }
 
 // acc[m][*] += w[k .. k + 32) * x[m][k .. k + 32), the 32 weights given as four vectors of eight.
@@ -92,36 +106,43 @@ inline __m256 chains_sum(const __m256 (&acc)[kChains<M>]) {
   return s;
 }
 
-// Rows [n0, n1) of y = x @ (q * scale).T. K % 32 == 0.
+// Rows [n0, n1) of y = x @ (q * scale).T, a scale per group of G inputs (G = K: one per row). G % 32 == 0.
 template <int M, typename S, typename Y>
-void int8_rows(const float* x, const int8_t* q, const S* scale, Y* y, int64_t N, int64_t K, int64_t n0, int64_t n1) {
+void int8_rows(const float* x, const int8_t* q, const S* scale, Y* y, int64_t N, int64_t K, int64_t G, int64_t n0,
+               int64_t n1) {
+  const int64_t groups = K / G;
   for (int64_t n = n0; n < n1; n++) {
     const int8_t* row = q + n * K;
-    __m256 acc[M][kChains<M>];
-    for (auto& a : acc)
-      for (auto& c : a) c = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K; k += 32) {
-      const __m256 w[4] = {int8x8(row + k), int8x8(row + k + 8), int8x8(row + k + 16), int8x8(row + k + 24)};
-      fma32<M>(acc, w, x, K, k);
+    __m256 out[M];
+    for (auto& o : out) o = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+      __m256 acc[M][kChains<M>];
+      for (auto& a : acc)
+        for (auto& c : a) c = _mm256_setzero_ps();
+      for (int64_t k = g * G; k < (g + 1) * G; k += 32) {
+        const __m256 w[4] = {int8x8(row + k), int8x8(row + k + 8), int8x8(row + k + 16), int8x8(row + k + 24)};
+        fma32<M>(acc, w, x, K, k);
+      }
+      const __m256 s = _mm256_set1_ps(load_float(scale + n * groups + g));
+      for (int m = 0; m < M; m++) out[m] = _mm256_fmadd_ps(chains_sum<M>(acc[m]), s, out[m]);
     }
-    const float s = load_float(scale + n);
-    for (int m = 0; m < M; m++) store(y + m * N + n, hsum(chains_sum<M>(acc[m])) * s);
+    for (int m = 0; m < M; m++) store(y + m * N + n, hsum(out[m]));
   }
 }
 
-// Rows [n0, n1) of y = x @ ((q - 8) * scale + zero).T: per group, scale * sum((q - 8) * x) + zero * sum(x),
-// with the group sums of x (xsum [M, K/G]) computed once by the caller. G % 32 == 0.
+// Rows [n0, n1) of y = x @ (q * scale + offset).T: per group, scale * sum(q * x) + offset * sum(x), with the
+// group sums of x (xsum [M, K/G]) computed once by the caller. G % 32 == 0.
 template <int M, typename S, typename Y>
-void int4_rows(const float* x, const float* xsum, const uint8_t* packed, const S* scale, const S* zero, Y* y,
+void int4_rows(const float* x, const float* xsum, const uint8_t* packed, const S* scale, const S* offset, Y* y,
                int64_t N, int64_t K, int64_t G, int64_t n0, int64_t n1) {
   const int64_t groups = K / G;
   for (int64_t n = n0; n < n1; n++) {
     const uint8_t* row = packed + n * (K / 2);
     const S* row_scale = scale + n * groups;
-    const S* row_zero = zero + n * groups;
+    const S* row_offset = offset + n * groups;
     __m256 out[M];
-    float zero_term[M];
-    for (int m = 0; m < M; m++) out[m] = _mm256_setzero_ps(), zero_term[m] = 0.0f;
+    float offset_term[M];
+    for (int m = 0; m < M; m++) out[m] = _mm256_setzero_ps(), offset_term[m] = 0.0f;
     for (int64_t g = 0; g < groups; g++) {
       __m256 acc[M][kChains<M>];
       for (auto& a : acc)
@@ -132,13 +153,13 @@ void int4_rows(const float* x, const float* xsum, const uint8_t* packed, const S
         fma32<M>(acc, w, x, K, k);
       }
       const __m256 s = _mm256_set1_ps(load_float(row_scale + g));
-      const float z = load_float(row_zero + g);
+      const float o = load_float(row_offset + g);
       for (int m = 0; m < M; m++) {
         out[m] = _mm256_fmadd_ps(chains_sum<M>(acc[m]), s, out[m]);
-        zero_term[m] += z * xsum[m * groups + g];
+        offset_term[m] += o * xsum[m * groups + g];
       }
     }
-    for (int m = 0; m < M; m++) store(y + m * N + n, hsum(out[m]) + zero_term[m]);
+    for (int m = 0; m < M; m++) store(y + m * N + n, hsum(out[m]) + offset_term[m]);
   }
 }
 
@@ -210,64 +231,250 @@ void dispatch_types(const torch::Tensor& scale, const torch::Tensor& y, F&& body
   else body(scale.data_ptr<float>(), y.data_ptr<float>());
 }
 
+
+// Dequantization of one run of a row to bf16 (n % 32 == 0). With AVX512-BF16 (Sapphire Rapids, Zen 4) the
+// hardware rounds sixteen floats at a time; plain loops, which the compiler vectorized poorly, dequantized
+// ~4 G weights/s on 2 cores, slower than the matmul they feed. Chosen once at start-up by the CPU's flags.
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+void int8_run_avx512(const int8_t* q, float scale, uint16_t* d, int64_t n) {
+  const __m512 s = _mm512_set1_ps(scale);
+  for (int64_t k = 0; k < n; k += 16) {
+    const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k))));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + k), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_mul_ps(f, s))));
+  }
+}
+
+// Sixteen bytes hold 32 inputs, input 2i in the low nibble of byte i: the low nibbles' bf16 values go to the low
+// half of each 32-bit lane, the high nibbles' to the top half, which is the inputs' order in memory.
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+void int4_run_avx512(const uint8_t* p, float scale, float offset, uint16_t* d, int64_t n) {
+  const __m512 s = _mm512_set1_ps(scale), o = _mm512_set1_ps(offset);
+  const __m512i mask = _mm512_set1_epi32(0xF);
+  for (int64_t k = 0; k < n; k += 32) {
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + k / 2)));
+    const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(bytes, mask)), s, o);
+    const __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), s, o);
+    const __m512i lo16 = _mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(lo)));
+    const __m512i hi16 = _mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(hi)));
+    _mm512_storeu_si512(d + k, _mm512_or_si512(lo16, _mm512_slli_epi32(hi16, 16)));
+  }
+}
+
+void int8_run_plain(const int8_t* q, float scale, uint16_t* d, int64_t n) {
+  for (int64_t k = 0; k < n; k++) d[k] = to_bf16_finite(static_cast<float>(q[k]) * scale);
+}
+
+void int4_run_plain(const uint8_t* p, float scale, float offset, uint16_t* d, int64_t n) {
+  for (int64_t i = 0; i < n / 2; i++) {
+    d[2 * i] = to_bf16_finite(static_cast<float>(p[i] & 0xF) * scale + offset);
+    d[2 * i + 1] = to_bf16_finite(static_cast<float>(p[i] >> 4) * scale + offset);
+  }
+}
+
+const bool kHasAvx512Bf16 = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw");
+const auto int8_run = kHasAvx512Bf16 ? int8_run_avx512 : int8_run_plain;
+const auto int4_run = kHasAvx512Bf16 ? int4_run_avx512 : int4_run_plain;
+
+// Rows [n0, n1) of the dequantized weight, as bf16, into out [n1 - n0, K].
+template <typename S>
+void int8_dequant_rows(const int8_t* q, const S* scale, uint16_t* out, int64_t K, int64_t G, int64_t n0,
+                       int64_t n1) {
+  const int64_t groups = K / G;
+  for (int64_t n = n0; n < n1; n++)
+    for (int64_t g = 0; g < groups; g++)
+      int8_run(q + n * K + g * G, load_float(scale + n * groups + g), out + (n - n0) * K + g * G, G);
+}
+
+template <typename S>
+void int4_dequant_rows(const uint8_t* packed, const S* scale, const S* offset, uint16_t* out, int64_t K, int64_t G,
+                       int64_t n0, int64_t n1) {
+  const int64_t groups = K / G;
+  for (int64_t n = n0; n < n1; n++)
+    for (int64_t g = 0; g < groups; g++)
+      int4_run(packed + n * (K / 2) + g * (G / 2), load_float(scale + n * groups + g),
+               load_float(offset + n * groups + g), out + (n - n0) * K + g * G, G);
+}
+
+// y = x @ W.T for many rows of x (prefill chunks, large decode batches), W dequantized one tile of rows at a
+// time into a bf16 buffer that stays in cache, each tile multiplied by oneDNN's bf16 matmul (AMX / AVX512-BF16
+// where the CPU has them): the dequantization is paid once per call for all rows, where the weight-only ops
+// redo it per row (they ran 5-10x slower than bf16 at 32-256 rows). `dequant(buffer, n0, n1)` writes rows
+// [n0, n1) of W.
+template <typename F>
+torch::Tensor tiled_dequant_mm(const torch::Tensor& x, int64_t N, int64_t K, F&& dequant) {
+  const int64_t M = x.size(0);
+  // ~1 MiB of bf16 weights a tile: within L2 of current server cores, many rows for oneDNN to block over.
+  const int64_t tile = std::max<int64_t>(64, std::min<int64_t>(N, ((1 << 19) / K + 15) / 16 * 16));
+  const auto xb = x.to(at::kBFloat16).contiguous();
+  auto buffer = torch::empty({tile, K}, xb.options());
+  // y.T [N, M]: each tile's product is a contiguous run of its rows (tile @ x.T ran faster than x @ tile.T, and
+  // one transpose at the end costs less than a strided copy per tile).
+  auto y_t = torch::empty({N, M}, xb.options());
+  auto* bp = static_cast<uint16_t*>(buffer.data_ptr());
+  const auto x_t = xb.t();
+  for (int64_t n0 = 0; n0 < N; n0 += tile) {
+    const int64_t rows = std::min(tile, N - n0);
+#pragma omp parallel
+    {
+#ifdef _OPENMP
+      const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
+#else
+      const int64_t threads = 1, t = 0;
+#endif
+      const int64_t a = n0 + rows * t / threads, b = n0 + rows * (t + 1) / threads;
+      dequant(bp + (a - n0) * K, a, b);
+    }
+    auto out = y_t.narrow(0, n0, rows);
+    at::mm_out(out, buffer.narrow(0, 0, rows), x_t);
+  }
+  const auto y = y_t.t().contiguous();
+  return x.scalar_type() == at::kBFloat16 ? y : y.to(x.scalar_type());
+}
+
+// Calls body(S*) with the scales' element type and returns what it returns.
+template <typename F>
+auto dispatch_scale(const torch::Tensor& scale, F&& body) {
+  return scale.scalar_type() == at::kBFloat16 ? body(scale.data_ptr<at::BFloat16>()) : body(scale.data_ptr<float>());
+}
+
+// The group size that `scale` [N, groups] implies for K inputs.
+int64_t group_of(const torch::Tensor& scale, int64_t N, int64_t K, int64_t multiple) {
+  TORCH_CHECK(scale.dim() == 2 && scale.size(0) == N && scale.size(1) >= 1 && K % scale.size(1) == 0,
+              "scale must be [N, groups] with N = ", N, " and groups dividing K = ", K, ", got ", scale.sizes());
+  const int64_t G = K / scale.size(1);
+  TORCH_CHECK(G % multiple == 0, "the group size K / groups = ", G, " must be a multiple of ", multiple);
+  return G;
+}
+
+const int8_t* int8_data(const torch::Tensor& q) {
+  TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kChar && q.dim() == 2 && q.is_contiguous(),
+              "q must be a contiguous int8 [N, K] CPU tensor");
+  return q.data_ptr<int8_t>();
+}
+
+// An int4 weight's arguments, checked: the packed nibbles, [N, K] with groups of G, scale and offset [N, K / G].
+struct Int4Weight {
+  const uint8_t* packed;
+  int64_t N, K, G;
+  torch::Tensor scale, offset;
+};
+
+Int4Weight int4_weight(const torch::Tensor& packed, const torch::Tensor& scale, const torch::Tensor& offset) {
+  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte && packed.dim() == 2 &&
+                  packed.is_contiguous(), "packed must be a contiguous uint8 [N, K / 2] CPU tensor");
+  check_scales(scale, scale.sizes(), "scale");
+  check_scales(offset, scale.sizes(), "offset");
+  TORCH_CHECK(scale.scalar_type() == offset.scalar_type(), "scale and offset must have one dtype");
+  const int64_t N = packed.size(0), K = packed.size(1) * 2;
+  return {packed.data_ptr<uint8_t>(), N, K, group_of(scale, N, K, 32), scale.contiguous(), offset.contiguous()};
+}
+
 }  // namespace
 
+// y [M, N] = x [M, K] @ (q * scale).T for M <= 8 (decode): scale [N, groups], one group of K per channel.
 torch::Tensor int8_gemv(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale) {
-  TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kChar && q.dim() == 2, "q must be int8 [N, K] on CPU");
+  const int8_t* qp = int8_data(q);
   const int64_t N = q.size(0), K = q.size(1);
-  TORCH_CHECK(K % 32 == 0, "K must be a multiple of 32, got ", K);
+  check_scales(scale, scale.sizes(), "scale");
+  const int64_t G = group_of(scale, N, K, 32);
   check_x(x, K);
-  check_scales(scale, {N}, "scale");
-  const auto qc = q.contiguous();
   const auto sc = scale.contiguous();
   std::vector<float> x_buffer;
   const float* xp = x_as_fp32(x, x_buffer);
   auto y = torch::empty({x.size(0), N}, x.options());
-  const int8_t* qp = qc.data_ptr<int8_t>();
   dispatch_types(sc, y, [&](auto* sp, auto* yp) {
     dispatch_rows(x.size(0), [&](auto rows) {
-      parallel_rows(N, K, [&](int64_t n0, int64_t n1) { int8_rows<rows()>(xp, qp, sp, yp, N, K, n0, n1); });
+      parallel_rows(N, K, [&](int64_t n0, int64_t n1) { int8_rows<rows()>(xp, qp, sp, yp, N, K, G, n0, n1); });
     });
   });
   return y;
 }
 
+// y [M, N] = x [M, K] @ (q * scale + offset).T for M <= 8, q the nibbles of packed, scale/offset [N, K / G].
 torch::Tensor int4_gemv(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
-                        const torch::Tensor& zero, int64_t group_size) {
-  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte && packed.dim() == 2,
-              "packed must be uint8 [N, K / 2] on CPU");
-  const int64_t N = packed.size(0), K = packed.size(1) * 2, G = group_size;
-  TORCH_CHECK(G > 0 && G % 32 == 0, "group_size must be a positive multiple of 32, got ", G);
-  TORCH_CHECK(K % G == 0, "K = ", K, " must be a multiple of group_size = ", G);
+                        const torch::Tensor& offset) {
+  const Int4Weight w = int4_weight(packed, scale, offset);
+  const uint8_t* pp = w.packed;
+  const int64_t N = w.N, K = w.K, G = w.G;
   check_x(x, K);
-  check_scales(scale, {N, K / G}, "scale");
-  check_scales(zero, {N, K / G}, "zero");
-  TORCH_CHECK(scale.scalar_type() == zero.scalar_type(), "scale and zero must have one dtype");
-  const auto pc = packed.contiguous();
-  const auto sc = scale.contiguous(), zc = zero.contiguous();
   std::vector<float> x_buffer;
   const float* xp = x_as_fp32(x, x_buffer);
   const int64_t M = x.size(0), groups = K / G;
-  std::vector<float> xsum(M * groups);  // sum of x over each group, for the zeros
+  std::vector<float> xsum(M * groups);  // sum of x over each group, for the offsets
   for (int64_t i = 0; i < M * groups; i++) {
     float s = 0.0f;
     for (int64_t k = 0; k < G; k++) s += xp[i * G + k];
     xsum[i] = s;
   }
   auto y = torch::empty({M, N}, x.options());
-  const uint8_t* pp = pc.data_ptr<uint8_t>();
-  dispatch_types(sc, y, [&](auto* sp, auto* yp) {
-    const auto* zp = reinterpret_cast<decltype(sp)>(zc.data_ptr());
+  dispatch_types(w.scale, y, [&](auto* sp, auto* yp) {
+    const auto* op = reinterpret_cast<decltype(sp)>(w.offset.data_ptr());
     dispatch_rows(M, [&](auto rows) {
       parallel_rows(N, K, [&](int64_t n0, int64_t n1) {
-        int4_rows<rows()>(xp, xsum.data(), pp, sp, zp, yp, N, K, G, n0, n1);
+        int4_rows<rows()>(xp, xsum.data(), pp, sp, op, yp, N, K, G, n0, n1);
       });
     });
   });
   return y;
 }
 
+// The same products for any M (prefill chunks, large batches), through dequantized bf16 tiles.
+torch::Tensor int8_dequant_mm(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale) {
+  const int8_t* qp = int8_data(q);
+  const int64_t N = q.size(0), K = q.size(1);
+  check_scales(scale, scale.sizes(), "scale");
+  const int64_t G = group_of(scale, N, K, 32);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x must be [M, ", K, "], got ", x.sizes());
+  const auto sc = scale.contiguous();
+  return dispatch_scale(sc, [&](auto* sp) {
+    return tiled_dequant_mm(x, N, K, [&](uint16_t* out, int64_t a, int64_t b) {
+      int8_dequant_rows(qp, sp, out, K, G, a, b);
+    });
+  });
+}
+
+torch::Tensor int4_dequant_mm(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
+                              const torch::Tensor& offset) {
+  const Int4Weight w = int4_weight(packed, scale, offset);
+  const uint8_t* pp = w.packed;
+  const int64_t N = w.N, K = w.K, G = w.G;
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x must be [M, ", K, "], got ", x.sizes());
+  return dispatch_scale(w.scale, [&](auto* sp) {
+    const auto* op = reinterpret_cast<decltype(sp)>(w.offset.data_ptr());
+    return tiled_dequant_mm(x, N, K, [&](uint16_t* out, int64_t a, int64_t b) {
+      int4_dequant_rows(pp, sp, op, out, K, G, a, b);
+    });
+  });
+}
+
+// Each row of x [M, K] as int8 with its own scale, max |x| / 127 (symmetric, per token): the activations of an
+// int8 x int8 matmul. Returns (q int8 [M, K], scale float32 [M, 1]); x = q * scale within half a step.
+std::vector<torch::Tensor> quantize_rows(const torch::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "x must be a float32 or bfloat16 [M, K] CPU tensor");
+  const int64_t M = x.size(0), K = x.size(1);
+  std::vector<float> buffer;
+  const float* xp = x_as_fp32(x, buffer);
+  auto q = torch::empty({M, K}, x.options().dtype(at::kChar));
+  auto scale = torch::empty({M, 1}, x.options().dtype(at::kFloat));
+  int8_t* qp = q.data_ptr<int8_t>();
+  float* sp = scale.data_ptr<float>();
+#pragma omp parallel for if (M * K >= kMinParallelWeights)
+  for (int64_t m = 0; m < M; m++) {
+    const float* row = xp + m * K;
+    float peak = 0.0f;
+    for (int64_t k = 0; k < K; k++) peak = std::max(peak, std::abs(row[k]));
+    const float s = peak > 0.0f ? peak / 127.0f : 1.0f, inv = 1.0f / s;
+    for (int64_t k = 0; k < K; k++) qp[m * K + k] = static_cast<int8_t>(std::nearbyint(row[k] * inv));
+    sp[m] = s;
+  }
+  return {q, scale};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("int8_gemv", &int8_gemv, "y [M, N] = x [M, K] @ (q * scale).T, M <= 8, K % 32 == 0");
-  m.def("int4_gemv", &int4_gemv, "y [M, N] = x [M, K] @ ((q - 8) * scale + zero).T per group, M <= 8");
+  m.def("int8_gemv", &int8_gemv, "y [M, N] = x [M, K] @ (q * scale).T per group, M <= 8, K % 32 == 0");
+  m.def("int4_gemv", &int4_gemv, "y [M, N] = x [M, K] @ (q * scale + offset).T per group, M <= 8");
+  m.def("int8_dequant_mm", &int8_dequant_mm, "int8_gemv for any M, through dequantized bf16 tiles");
+  m.def("int4_dequant_mm", &int4_dequant_mm, "int4_gemv for any M, through dequantized bf16 tiles");
+  m.def("quantize_rows", &quantize_rows, "(q int8 [M, K], scale [M, 1]): each row of x symmetric per token");
 }

@@ -1,5 +1,6 @@
 """`tokenfleet quantize`: a dense checkpoint -> an HF-style directory of int8 / int4 weights that serves with
-no flag (safetensors in `TokenfleetFormat`, `quantization_config` in config.json), as gpt-fast's two phases.
+no flag (safetensors in `TokenfleetFormat`, `quantization_config` in config.json), as gpt-fast's two phases;
+`--method bf16` writes a plain bf16 directory (a GGUF file's weights, dequantized, as a dense checkpoint).
 
 int8: per output channel, symmetric. int4: groups of `group_size` inputs (or the largest supported group that
 divides a weight's inputs), asymmetric, after activation-aware scaling (`awq.py`) on calibration text.
@@ -49,19 +50,23 @@ def quantize_checkpoint(model: str, method: str, out: Path, group_size: int = DE
     checkpoint = open_checkpoint(model)
     if checkpoint.quantization is not None:
         raise ModelLoadError(f"{checkpoint.path} is already quantized ({checkpoint.quantization.name})")
-    if method not in ("int8", "int4"):
-        raise ValueError(f"method must be int8 or int4; got {method!r}")
+    if method not in ("int8", "int4", "bf16"):
+        raise ValueError(f"method must be int8, int4 or bf16; got {method!r}")
     llm = LLM(model, dtype="float32", enable_prefix_caching=False)
     net = llm.engine.runner.model
-    quantizer = WeightQuantizer(method, group_size)
-    alphas = {}
-    if method == "int4":
-        text = (calibration or CALIBRATION_TEXT).read_text()
-        alphas = apply_awq(net, _calibration_inputs(llm, text), quantizer.fake)
-    tensors, quantized_bytes, bf16_bytes = _quantized_tensors(net, quantizer, checkpoint.config.checkpoint_dtype)
+    alphas, fmt = {}, None
+    if method == "bf16":  # a plain dense copy, e.g. of a GGUF file's dequantized weights
+        tensors = {_hf(name): p.detach().to(torch.bfloat16).contiguous() for name, p in net.named_parameters()}
+        quantized_bytes = bf16_bytes = sum(t.nbytes for t in tensors.values())
+    else:
+        quantizer = WeightQuantizer(method, group_size)
+        if method == "int4":
+            text = (calibration or CALIBRATION_TEXT).read_text()
+            alphas = apply_awq(net, _calibration_inputs(llm, text), quantizer.fake)
+        tensors, quantized_bytes, bf16_bytes = _quantized_tensors(net, quantizer, checkpoint.config.checkpoint_dtype)
+        fmt = TokenfleetFormat(quantizer.bits, group_size if method == "int4" else None)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, out / "model.safetensors")
-    fmt = TokenfleetFormat(quantizer.bits, group_size if method == "int4" else None)
     (out / "config.json").write_text(json.dumps(_config(checkpoint, fmt), indent=2))
     _copy_tokenizer(checkpoint, llm, out)
     return Conversion(out, quantized_bytes, bf16_bytes, alphas, time.perf_counter() - started)
@@ -116,7 +121,7 @@ def _hf(name: str) -> str:
 _MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
 
 
-def _config(checkpoint: Checkpoint, fmt: TokenfleetFormat) -> dict:
+def _config(checkpoint: Checkpoint, fmt: TokenfleetFormat | None) -> dict:
     if isinstance(checkpoint, HFCheckpoint):
         raw = json.loads((checkpoint.path / "config.json").read_text())
     else:  # a GGUF file: the config its metadata gave
@@ -130,6 +135,8 @@ def _config(checkpoint: Checkpoint, fmt: TokenfleetFormat) -> dict:
                "tie_word_embeddings": cfg.tie_word_embeddings, "attention_bias": cfg.qkv_bias,
                "sliding_window": cfg.sliding_window, "eos_token_id": sorted(cfg.eos_token_ids)}
         raw["torch_dtype"] = str(cfg.checkpoint_dtype).removeprefix("torch.")
+    if fmt is None:
+        return {**raw, "torch_dtype": "bfloat16"}
     return {**raw, "quantization_config": fmt.quantization_config()}
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ModelLoadError
-from .weights import INT4_OFFSET, Int4Weight, Int8Weight, QuantizedWeight, pack_nibbles
+from .weights import Int4Weight, Int8Weight, QuantizedWeight, pack_nibbles
 
 # AutoAWQ packs output column 8c + AWQ_ORDER[i] into nibble i of word c; reading undoes it.
 AWQ_REVERSE_ORDER = [0, 4, 1, 5, 2, 6, 3, 7]
@@ -30,7 +30,7 @@ def _nibbles(words: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class TokenfleetFormat:
     """What `tokenfleet quantize` writes, per module: int8 — qweight int8 [N, K] and scales [N]; int4 — qweight
-    uint8 [N, K/2] (input 2i in the low nibble), scales and zeros [N, K/G] with w = (q - 8) * scale + zero.
+    uint8 [N, K/2] (input 2i in the low nibble), scales and offsets [N, K/G] with w = q * scale + offset.
     Each weight's kind and group size are read from its tensors (an int4 file may hold int8 weights whose
     input size no int4 group divides)."""
 
@@ -39,23 +39,23 @@ class TokenfleetFormat:
     name = "tokenfleet"
 
     def tensor_names(self) -> tuple[str, ...]:
-        return ("qweight", "scales", "zeros")
+        return ("qweight", "scales", "offsets")
 
     def required_names(self, found: dict[str, torch.Tensor]) -> tuple[str, ...]:
         int8 = "qweight" in found and found["qweight"].dtype == torch.int8
-        return ("qweight", "scales") if int8 else ("qweight", "scales", "zeros")
+        return ("qweight", "scales") if int8 else ("qweight", "scales", "offsets")
 
     def read(self, t: dict[str, torch.Tensor]) -> QuantizedWeight:
         if t["qweight"].dtype == torch.int8:
             return Int8Weight(t["qweight"], t["scales"].float())
         group = 2 * t["qweight"].shape[1] // t["scales"].shape[1]
-        return Int4Weight(t["qweight"].to(torch.uint8), t["scales"].float(), t["zeros"].float(), group)
+        return Int4Weight(t["qweight"].to(torch.uint8), t["scales"].float(), t["offsets"].float(), group)
 
     def write(self, weight: QuantizedWeight) -> dict[str, torch.Tensor]:
         if isinstance(weight, Int8Weight):
             return {"qweight": weight.q, "scales": weight.scale.to(torch.bfloat16)}
         return {"qweight": weight.packed, "scales": weight.scale.to(torch.bfloat16),
-                "zeros": weight.zero.to(torch.bfloat16)}
+                "offsets": weight.offset.to(torch.bfloat16)}
 
     def quantization_config(self) -> dict:
         return {"quant_method": self.name, "bits": self.bits, "group_size": self.group_size}
@@ -89,7 +89,7 @@ class GptqFormat:
                 raise ModelLoadError("GPTQ g_idx does not assign group_size inputs to each group: unsupported")
             perm = torch.argsort(g_idx, stable=True)
             q = q[:, perm]
-        return Int4Weight(pack_nibbles(q), scale, scale * (INT4_OFFSET - zeros), self.group_size, perm)
+        return Int4Weight(pack_nibbles(q), scale, -scale * zeros, self.group_size, perm)
 
 
 @dataclass(frozen=True)
@@ -110,7 +110,7 @@ class AwqFormat:
         q = _nibbles(t["qweight"])[..., AWQ_REVERSE_ORDER].flatten(-2).T  # [N, K]
         zeros = _nibbles(t["qzeros"])[..., AWQ_REVERSE_ORDER].flatten(-2).T.float()
         scale = t["scales"].T.float()
-        return Int4Weight(pack_nibbles(q), scale, scale * (INT4_OFFSET - zeros), self.group_size)
+        return Int4Weight(pack_nibbles(q), scale, -scale * zeros, self.group_size)
 
 
 CheckpointFormat = TokenfleetFormat | GptqFormat | AwqFormat

@@ -1,11 +1,12 @@
 """Quantized weights in one canonical form per scheme, whatever file they came from, and the quantizers.
 
-`Int8Weight`: per-output-channel symmetric, w = q * scale.
-`Int4Weight`: asymmetric, group-wise along the input dimension, w = (q - 8) * scale + zero: the convention of
-torch's int4 kernels. GPTQ's and AWQ's s * (q - z) is the same weight with zero = s * (8 - z), and in float32
-that product and the dequantized weight are exact, so no file format loses a bit on the way in.
+`Int8Weight`: symmetric, w = q * scale, a scale per output channel (ours) or per group of inputs (GGUF's Q8_0).
+`Int4Weight`: asymmetric, group-wise along the input dimension, w = q * scale + offset (q in 0..15). It is
+ggml's Q4_1 form (Q4_0 is offset = -8 * scale); GPTQ's and AWQ's s * (q - z) is the same weight with
+offset = -s * z. With 16-bit scales every product there is exact in float32, so no file format loses a bit on
+the way in. (torch's int4 kernel takes (q - 8) * scale + zero: zero = offset + 8 * scale, made for it alone.)
 
-Weights are [N, K] as in `nn.Linear` (out, in). Scales and zeros are float32 values that are exact in bfloat16
+Weights are [N, K] as in `nn.Linear` (out, in). Scales and offsets are float32 values that are exact in bfloat16
 when we quantize (the kernels take bf16 scales), and whatever the file held when a checkpoint brought them.
 """
 
@@ -15,13 +16,12 @@ from dataclasses import dataclass
 
 import torch
 
-INT4_OFFSET = 8  # the midpoint of 0..15 that `zero` is measured from
-
 
 @dataclass
 class Int8Weight:
     q: torch.Tensor  # int8 [N, K]
-    scale: torch.Tensor  # float32 [N]
+    scale: torch.Tensor  # float32 [N], or [N, K/G] with group_size G
+    group_size: int | None = None  # None: one scale per output channel
 
     bits = 8
 
@@ -29,26 +29,37 @@ class Int8Weight:
     def shape(self) -> torch.Size:
         return self.q.shape
 
+    @property
+    def group_scale(self) -> torch.Tensor:
+        """The scales as [N, groups]: per channel is one group of K."""
+        return self.scale[:, None] if self.group_size is None else self.scale
+
     def dequantize(self) -> torch.Tensor:
-        return self.q.float() * self.scale[:, None]
+        return self._dequantize_rows(self.q, self.group_scale)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Dequantized rows `ids` (an embedding lookup), float32."""
-        return self.q[ids].float() * self.scale[ids, None]
+        return self._dequantize_rows(self.q[ids], self.group_scale[ids])
+
+    def _dequantize_rows(self, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return (q.float().unflatten(-1, (scale.shape[-1], -1)) * scale[..., None]).flatten(-2)
 
     @property
     def nbytes(self) -> int:
         return self.q.nbytes + self.scale.numel() * 2  # scales are served in 16 bits
 
+    def select_rows(self, ids: torch.Tensor) -> Int8Weight:
+        return Int8Weight(self.q[ids], self.scale[ids], self.group_size)
+
     def to(self, device: torch.device) -> Int8Weight:
-        return Int8Weight(self.q.to(device), self.scale.to(device))
+        return Int8Weight(self.q.to(device), self.scale.to(device), self.group_size)
 
 
 @dataclass
 class Int4Weight:
     packed: torch.Tensor  # uint8 [N, K/2]: input k = 2i in the low nibble of byte i, 2i + 1 in the high one
     scale: torch.Tensor  # float32 [N, K/G]
-    zero: torch.Tensor  # float32 [N, K/G]
+    offset: torch.Tensor  # float32 [N, K/G]: the weight that q = 0 stands for
     group_size: int
     # GPTQ act-order: column k of `packed` holds input channel input_perm[k], which makes each group contiguous;
     # kernels read x[:, input_perm]. None: the identity.
@@ -67,7 +78,7 @@ class Int4Weight:
 
     def dequantize(self) -> torch.Tensor:
         """float32 [N, K] in the original input order."""
-        w = self._dequantize_rows(self.q, self.scale, self.zero)
+        w = self._dequantize_rows(self.q, self.scale, self.offset)
         if self.input_perm is None:
             return w
         return torch.empty_like(w).index_copy_(1, self.input_perm, w)
@@ -75,19 +86,23 @@ class Int4Weight:
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         if self.input_perm is not None:
             raise ValueError("an act-order (permuted) weight cannot serve as an embedding")
-        return self._dequantize_rows(unpack_nibbles(self.packed[ids]), self.scale[ids], self.zero[ids])
+        return self._dequantize_rows(unpack_nibbles(self.packed[ids]), self.scale[ids], self.offset[ids])
 
-    def _dequantize_rows(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    def _dequantize_rows(self, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
         g = self.group_size
-        return (q.float() - INT4_OFFSET) * scale.repeat_interleave(g, 1) + zero.repeat_interleave(g, 1)
+        return q.float() * scale.repeat_interleave(g, 1) + offset.repeat_interleave(g, 1)
 
     @property
     def nbytes(self) -> int:
-        return self.packed.nbytes + (self.scale.numel() + self.zero.numel()) * 2
+        return self.packed.nbytes + (self.scale.numel() + self.offset.numel()) * 2
+
+    def select_rows(self, ids: torch.Tensor) -> Int4Weight:
+        return Int4Weight(self.packed[ids], self.scale[ids], self.offset[ids], self.group_size, self.input_perm)
 
     def to(self, device: torch.device) -> Int4Weight:
         perm = None if self.input_perm is None else self.input_perm.to(device)
-        return Int4Weight(self.packed.to(device), self.scale.to(device), self.zero.to(device), self.group_size, perm)
+        return Int4Weight(self.packed.to(device), self.scale.to(device), self.offset.to(device), self.group_size,
+                          perm)
 
 
 @dataclass
@@ -112,6 +127,9 @@ class Fp8Weight:
     @property
     def nbytes(self) -> int:
         return self.q.nbytes + self.scale.nbytes
+
+    def select_rows(self, ids: torch.Tensor) -> Fp8Weight:
+        return Fp8Weight(self.q[ids], self.scale[ids])
 
     def to(self, device: torch.device) -> Fp8Weight:
         return Fp8Weight(self.q.to(device), self.scale.to(device))
@@ -143,17 +161,17 @@ def quantize_int8(w: torch.Tensor) -> Int8Weight:
 
 
 def _int4_grid(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(q [N, K/G, G] as floats 0..15, scale, zero [N, K/G]): round to nearest, each group's [min, max] spanning
-    0..15."""
+    """(q [N, K/G, G] as floats 0..15, scale, offset [N, K/G]): round to nearest, each group's [min, max]
+    spanning 0..15."""
     n, k = w.shape
     if k % group_size:
         raise ValueError(f"input size {k} is not a multiple of the group size {group_size}")
     groups = w.float().reshape(n, k // group_size, group_size)
     lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)
     scale = _bf16_exact(((hi - lo) / 15).clamp(min=1e-8))
-    zero = _bf16_exact(lo + INT4_OFFSET * scale)
-    q = torch.round((groups - zero[..., None]) / scale[..., None] + INT4_OFFSET).clamp_(0, 15)
-    return q, scale, zero
+    offset = _bf16_exact(lo)
+    q = torch.round((groups - offset[..., None]) / scale[..., None]).clamp_(0, 15)
+    return q, scale, offset
 
 
 def quantize_fp8(w: torch.Tensor) -> Fp8Weight:
@@ -164,25 +182,29 @@ def quantize_fp8(w: torch.Tensor) -> Fp8Weight:
 
 
 def quantize_int4(w: torch.Tensor, group_size: int) -> Int4Weight:
-    q, scale, zero = _int4_grid(w, group_size)
-    return Int4Weight(pack_nibbles(q.reshape(w.shape)), scale, zero, group_size)
+    q, scale, offset = _int4_grid(w, group_size)
+    return Int4Weight(pack_nibbles(q.reshape(w.shape)), scale, offset, group_size)
 
 
 def fake_quantize_int4(w: torch.Tensor, group_size: int) -> torch.Tensor:
     """quantize_int4(w, group_size).dequantize() without packing: what a scale search evaluates many times."""
-    q, scale, zero = _int4_grid(w, group_size)
-    return ((q - INT4_OFFSET) * scale[..., None] + zero[..., None]).reshape(w.shape)
+    q, scale, offset = _int4_grid(w, group_size)
+    return (q * scale[..., None] + offset[..., None]).reshape(w.shape)
 
 
 def concat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight:
     """Shards of a fused projection (q, k, v or gate, up) stacked along the output dimension."""
     first = weights[0]
-    if isinstance(first, Int8Weight | Fp8Weight):
-        return type(first)(torch.cat([w.q for w in weights]), torch.cat([w.scale for w in weights]))
+    if isinstance(first, Fp8Weight):
+        return Fp8Weight(torch.cat([w.q for w in weights]), torch.cat([w.scale for w in weights]))
+    if isinstance(first, Int8Weight):
+        if any(type(w) is not Int8Weight or w.group_size != first.group_size for w in weights):
+            raise ValueError("fused shards must share one quantization scheme")
+        return Int8Weight(torch.cat([w.q for w in weights]), torch.cat([w.scale for w in weights]), first.group_size)
     perms = [w.input_perm for w in weights]
     if any(type(w) is not Int4Weight or w.group_size != first.group_size for w in weights):
         raise ValueError("fused shards must share one quantization scheme")
     if any((p is None) != (perms[0] is None) or (p is not None and not torch.equal(p, perms[0])) for p in perms):
         raise ValueError("fused shards have different act-order permutations")
     return Int4Weight(torch.cat([w.packed for w in weights]), torch.cat([w.scale for w in weights]),
-                      torch.cat([w.zero for w in weights]), first.group_size, perms[0])
+                      torch.cat([w.offset for w in weights]), first.group_size, perms[0])

@@ -1,0 +1,41 @@
+"""GGUF matrices whose ggml type is one of our quantized forms, served as they are stored (no round trip
+through bf16): Q8_0 as int8 with a scale per 32 inputs, Q4_0 and Q4_1 as int4 in groups of 32.
+
+Each block of 32 inputs holds an fp16 scale d (Q4_1 also an fp16 min m) and its quants. Q8_0: w = q * d.
+Q4_0: w = (q - 8) * d, our offset -8d. Q4_1: w = q * d + m, our offset m. ggml keeps a block's 32 nibbles as
+16 bytes with input j in the low nibble of byte j and input j + 16 in its high nibble; `Int4Weight` keeps
+inputs 2i and 2i + 1 in byte i, so the nibbles are re-packed once here. Dequantizing these weights gives
+ggml's values bit for bit (every product of a quant and a 16-bit scale is exact in float32).
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import torch
+
+from ..quantization.weights import Int4Weight, Int8Weight, QuantizedWeight, pack_nibbles
+
+GGMLType = gguf.GGMLQuantizationType
+BLOCK = 32  # inputs per ggml block of these types
+NATIVE_TYPES = frozenset({GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1})
+
+
+def _fp16(raw: torch.Tensor) -> torch.Tensor:
+    return raw.contiguous().view(torch.float16).float().squeeze(-1)
+
+
+def native_weight(tensor: gguf.ReaderTensor) -> QuantizedWeight | None:
+    """The matrix as our quantized weight, [N, K] as in `nn.Linear`; None for other types and shapes."""
+    if tensor.tensor_type not in NATIVE_TYPES or len(tensor.shape) != 2:
+        return None
+    k, n = (int(d) for d in tensor.shape)  # GGUF lists dimensions innermost first
+    _, bytes_per_block = gguf.GGML_QUANT_SIZES[tensor.tensor_type]
+    blocks = torch.from_numpy(np.array(tensor.data).reshape(-1).view(np.uint8)).view(n, k // BLOCK, bytes_per_block)
+    scale = _fp16(blocks[..., :2])
+    if tensor.tensor_type == GGMLType.Q8_0:
+        return Int8Weight(blocks[..., 2:].contiguous().view(torch.int8).reshape(n, k), scale, group_size=BLOCK)
+    quants = blocks[..., 4:] if tensor.tensor_type == GGMLType.Q4_1 else blocks[..., 2:]
+    q = torch.cat((quants & 0x0F, quants >> 4), dim=-1).reshape(n, k)
+    offset = _fp16(blocks[..., 2:4]) if tensor.tensor_type == GGMLType.Q4_1 else -8 * scale
+    return Int4Weight(pack_nibbles(q), scale, offset, BLOCK)
