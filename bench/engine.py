@@ -48,7 +48,9 @@ def _weights(module: torch.nn.Module) -> dict[int, int]:
     found: dict[int, int] = {}
 
     def add(value, depth: int = 0) -> None:
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, torch.Tensor) and value.is_mkldnn:  # oneDNN's own layout (a prepacked weight)
+            found[id(value)] = value.numel() * value.element_size()
+        elif isinstance(value, torch.Tensor):
             found[value.untyped_storage().data_ptr()] = value.untyped_storage().nbytes()
         elif depth < 2 and hasattr(value, "__dict__"):
             for item in vars(value).values():

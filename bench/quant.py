@@ -4,7 +4,7 @@ Quality (`bench quality`'s measures, bf16 as the reference): weight bytes, perpl
 agreement with bf16 over 256 tokens, task accuracy. Speed: batch-1 decode and a mixed workload for every mode,
 interleaved in rounds (each round runs every mode once, back to back), reported as the median ratio to bf16
 with its spread; with `--peer llamacpp`, llama.cpp's q8_0 and q4_0 of the same checkpoint take part in each
-round too. Modes: int8 / int4 quantized at load time (round to nearest, groups of 128 or the largest that
+round too. Modes: int8 / w8a8 / int4 quantized at load time (round to nearest, groups of 128 or the largest that
 divides a layer's inputs), int4-awq (-g32) written by `tokenfleet quantize` (activation-aware scales, groups
 of 128 or 32) and served with no flag; gguf: a GGUF model's own file, its Q8_0 / Q4_0 / Q4_1 matrices served as
 int8 / int4 (the other modes then start from a dense bf16 copy of the file's weights).
@@ -28,7 +28,7 @@ from .quality_tasks import agreement, load_tasks
 from .report import publish
 from .workloads import batch1, mixed
 
-MODES = ("bf16", "int8", "int4", "int4-awq", "int4-awq-g32", "gguf")
+MODES = ("bf16", "int8", "w8a8", "int4", "int4-awq", "int4-awq-g32", "gguf")
 PEER_TYPES = {"int8": "q8_0", "int4": "q4_0", "gguf": "q4_1"}  # llama.cpp's nearest formats
 FORMAT_VERSION = 2  # of `tokenfleet quantize`'s files: int4 offsets since version 2 (zeros before)
 

@@ -99,7 +99,8 @@ def test_awq_weights_dequantize_to_the_packers_input():
 def test_cpu_kernels_match_the_dequantizing_reference(n, k, rows, kernel_type):
     generator = torch.Generator().manual_seed(n + k)
     w = torch.randn(n, k, generator=generator) / k**0.5
-    weight = quantize_int4(w, 64) if kernel_type is CpuInt4LinearKernel else quantize_int8(w)
+    weight = (quantize_int4(w, 64) if kernel_type is CpuInt4LinearKernel
+              else quantize_int8(w, int8_activations=kernel_type is OneDnnInt8LinearKernel))
     if not kernel_type.supports(weight, torch.bfloat16, torch.device("cpu")):
         pytest.skip(f"{kernel_type.__name__} does not run on this CPU")
     x = torch.randn(rows, k, generator=generator)
@@ -109,13 +110,25 @@ def test_cpu_kernels_match_the_dequantizing_reference(n, k, rows, kernel_type):
     torch.testing.assert_close(got, expected, rtol=0.05, atol=0.05)
 
 
-def test_int8_weights_take_the_int8_matmul_where_onednn_has_it():
-    weight = quantize_int8(torch.randn(64, 256))
-    kernel = quantized_linear_kernel(weight, torch.bfloat16, torch.device("cpu"))
+def test_w8a8_weights_take_the_int8_matmul_where_onednn_has_it_and_int8_weights_stay_weight_only():
+    cpu = torch.device("cpu")
+    w8a8 = quantize_int8(torch.randn(64, 256), int8_activations=True)
+    kernel = quantized_linear_kernel(w8a8, torch.bfloat16, cpu)
     assert isinstance(kernel, OneDnnInt8LinearKernel if onednn_int8_matmul() else CpuInt8LinearKernel)
+    assert isinstance(quantized_linear_kernel(quantize_int8(torch.randn(64, 256)), torch.bfloat16, cpu),
+                      CpuInt8LinearKernel)
     # A weight the embedding table shares keeps one copy: the row-major kernel reads the table's own tensor.
-    shared = quantized_linear_kernel(weight, torch.bfloat16, torch.device("cpu"), shares_weight=True)
-    assert isinstance(shared, CpuInt8LinearKernel) and shared.q.data_ptr() == weight.q.data_ptr()
+    shared = quantized_linear_kernel(w8a8, torch.bfloat16, cpu, shares_weight=True)
+    assert isinstance(shared, CpuInt8LinearKernel) and shared.q.data_ptr() == w8a8.q.data_ptr()
+
+
+def test_w8a8_quantizes_every_linear_for_int8_activations_and_keeps_the_table_weight_only(make_checkpoint):
+    llm = LLM(str(make_checkpoint("llama")), dtype="bfloat16", quantization="w8a8")
+    model = llm.engine.runner.model
+    assert isinstance(model.layers[0].mlp.down_proj.kernel,
+                      OneDnnInt8LinearKernel if onednn_int8_matmul() else CpuInt8LinearKernel)
+    assert not model.embed_tokens.quantized.int8_activations
+    assert len(llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=4))[0].token_ids) == 4
 
 
 def test_cpu_int4_kernel_permutes_inputs_for_act_order_weights():
@@ -131,9 +144,9 @@ def test_cpu_int4_kernel_permutes_inputs_for_act_order_weights():
 
 def test_odd_shapes_and_float32_take_the_reference_kernel():
     cpu = torch.device("cpu")
-    # The row-major kernels read 32 inputs at a time (oneDNN's int8 matmul, which copies the weight, takes any K).
-    assert isinstance(quantized_linear_kernel(quantize_int8(torch.randn(16, 70)), torch.bfloat16, cpu,
-                                              shares_weight=True), DequantLinearKernel)
+    # The row-major kernels read 32 inputs at a time (oneDNN's int8 matmul, w8a8's, takes any K).
+    assert isinstance(quantized_linear_kernel(quantize_int8(torch.randn(16, 70)), torch.bfloat16, cpu),
+                      DequantLinearKernel)
     assert isinstance(quantized_linear_kernel(quantize_int4(torch.randn(40, 64), 16), torch.bfloat16, cpu),
                       DequantLinearKernel)
     assert isinstance(quantized_linear_kernel(quantize_int8(torch.randn(16, 64)), torch.float32, cpu),

@@ -11,7 +11,7 @@ from ..errors import ModelLoadError
 from .formats import KERNEL_GROUP_SIZES, CheckpointFormat
 from .weights import QuantizedWeight, fake_quantize_int4, quantize_fp8, quantize_int4, quantize_int8
 
-QUANTIZATION_METHODS = ("int8", "int4", "fp8")
+QUANTIZATION_METHODS = ("int8", "int4", "fp8", "w8a8")
 DEFAULT_GROUP_SIZE = 128
 
 log = logging.getLogger(__name__)
@@ -19,9 +19,10 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class WeightQuantizer:
-    """Round-to-nearest, weight-only: int8 or fp8 per output channel, or int4 in groups of `group_size` inputs."""
+    """Round-to-nearest: int8 or fp8 per output channel, or int4 in groups of `group_size` inputs, weight-only;
+    w8a8: int8 weights multiplied by activations quantized to int8 per token."""
 
-    method: str  # int8, int4, fp8
+    method: str  # int8, int4, fp8, w8a8
     group_size: int = DEFAULT_GROUP_SIZE
 
     @property
@@ -31,16 +32,15 @@ class WeightQuantizer:
     def __call__(self, w: torch.Tensor) -> QuantizedWeight:
         if self.method == "fp8":
             return quantize_fp8(w)
-        if self.method == "int8":
-            return quantize_int8(w)
+        if self.method in ("int8", "w8a8"):
+            return quantize_int8(w, int8_activations=self.method == "w8a8")
         group = self.group_for(w.shape[1])
         return quantize_int4(w, group) if group else quantize_int8(w)
 
     def for_table(self, tied: bool) -> WeightQuantizer:
         """The quantizer of the embedding table. A table the LM head shares is int8 even for int4 weights, as
-        llama.cpp keeps it at 8 bits: the CPU int4 kernel's blocked layout cannot serve row lookups, so int4
-        would need a second copy, and two int4 copies take the bytes of one int8 table at worse quality."""
-        return WeightQuantizer("int8") if tied and self.method == "int4" else self
+        llama.cpp keeps it at 8 bits: the LM head is the layer whose rounding every logit sees."""
+        return WeightQuantizer("int8") if (tied and self.method == "int4") or self.method == "w8a8" else self
 
     def fake(self, w: torch.Tensor) -> torch.Tensor:
         """`self(w).dequantize()`, cheaper."""
