@@ -42,17 +42,12 @@ def mode_configuration(mode: str, model: str) -> Configuration:
     return Configuration(dense, "bfloat16", quantization=None if mode == "bf16" else mode)
 
 
-def is_gguf(model: str) -> bool:
-    from gpu_worker.engine.checkpoint import resolve_model_path
-
-    path = resolve_model_path(model)
-    return path.suffix == ".gguf" or (path.is_dir() and any(path.glob("*.gguf")))
-
-
 def dense_checkpoint(model: str) -> str:
     """The model with dense weights: a GGUF file serves its quantized matrices as they are, so its bf16
     reference (and the start of every other mode) is a dense bf16 copy of its dequantized weights."""
-    return str(converted(model, "bf16", 0)) if is_gguf(model) else model
+    from gpu_worker.engine.checkpoint import checkpoint_path
+
+    return str(converted(model, "bf16", 0)) if checkpoint_path(model).suffix == ".gguf" else model
 
 
 def converted(model: str, method: str, group_size: int) -> Path:

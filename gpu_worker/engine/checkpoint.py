@@ -19,6 +19,7 @@ from .errors import ModelLoadError
 from .model_config import ModelConfig
 from .packaged_models import PACKAGED_MODELS, packaged_model_path
 from .quantization.formats import CheckpointFormat, read_checkpoint_format
+from .quantization.weights import QuantizedWeight
 from .tokenizer import Tokenizer
 
 
@@ -29,8 +30,9 @@ class Checkpoint(Protocol):
 
     def tokenizer(self) -> Tokenizer: ...
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF parameter name, tensor in HF's layout), each weight once, on the CPU."""
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+        """(HF parameter name, tensor in HF's layout), each weight once, on the CPU; a matrix the file stores in
+        one of our quantized forms (GGUF's Q8_0 / Q4_0 / Q4_1) may arrive as that quantized weight."""
 
 
 class HFCheckpoint:
@@ -85,8 +87,9 @@ def resolve_model_path(model: str) -> Path:
     return path
 
 
-def open_checkpoint(model: str | Path) -> Checkpoint:
-    """A model name or path -> its checkpoint (reads the config; weights are read when iterated)."""
+def checkpoint_path(model: str | Path) -> Path:
+    """What a model name or path is loaded from: an HF directory or a .gguf file (a directory without a
+    config.json serves the one GGUF file it holds)."""
     path = resolve_model_path(str(model))
     if path.is_dir() and not (path / "config.json").is_file():
         ggufs = sorted(path.glob("*.gguf"))
@@ -94,6 +97,12 @@ def open_checkpoint(model: str | Path) -> Checkpoint:
             raise ModelLoadError(f"{path} holds several GGUF files ({', '.join(g.name for g in ggufs)}): "
                                  "pass the one to serve")
         path = ggufs[0] if ggufs else path  # none: HFCheckpoint names what is missing
+    return path
+
+
+def open_checkpoint(model: str | Path) -> Checkpoint:
+    """A model name or path -> its checkpoint (reads the config; weights are read when iterated)."""
+    path = checkpoint_path(model)
     if path.suffix == ".gguf":
         from .gguf.checkpoint import GgufCheckpoint
 

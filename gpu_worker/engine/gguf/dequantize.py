@@ -21,12 +21,12 @@ _QK_K = 256  # elements in a K-quant super-block
 _Q6_K_HIGH_SHIFTS = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)
 
 
-def _fp16(raw: torch.Tensor) -> torch.Tensor:
+def fp16_values(raw: torch.Tensor) -> torch.Tensor:
     """Little-endian fp16 bytes, two per value, as float32: (..., 2k) uint8 -> (..., k)."""
     return raw.contiguous().view(torch.float16).float()
 
 
-def _nibbles(packed: torch.Tensor) -> torch.Tensor:
+def block_nibbles(packed: torch.Tensor) -> torch.Tensor:
     """(..., n) bytes -> (..., 2n) values: every low nibble first, then every high nibble."""
     return torch.cat((packed & 0x0F, packed >> 4), dim=-1)
 
@@ -42,18 +42,18 @@ def _bf16(blocks: torch.Tensor) -> torch.Tensor:
 
 def _q8_0(blocks: torch.Tensor) -> torch.Tensor:
     """34 bytes: fp16 d, then 32 int8 quants; x = q * d."""
-    return blocks[:, 2:].view(torch.int8).float() * _fp16(blocks[:, :2])
+    return blocks[:, 2:].view(torch.int8).float() * fp16_values(blocks[:, :2])
 
 
 def _q4_0(blocks: torch.Tensor) -> torch.Tensor:
     """18 bytes: fp16 d, then 32 nibbles; x = (q - 8) * d."""
-    q = _nibbles(blocks[:, 2:]).to(torch.int8) - 8
-    return q.float() * _fp16(blocks[:, :2])
+    q = block_nibbles(blocks[:, 2:]).to(torch.int8) - 8
+    return q.float() * fp16_values(blocks[:, :2])
 
 
 def _q4_1(blocks: torch.Tensor) -> torch.Tensor:
     """20 bytes: fp16 d, fp16 m, then 32 nibbles; x = q * d + m."""
-    return _nibbles(blocks[:, 4:]).float() * _fp16(blocks[:, :2]) + _fp16(blocks[:, 2:4])
+    return block_nibbles(blocks[:, 4:]).float() * fp16_values(blocks[:, :2]) + fp16_values(blocks[:, 2:4])
 
 
 def _k_scales_and_mins(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,9 +76,9 @@ def _q4_k(blocks: torch.Tensor) -> torch.Tensor:
     """
     n = blocks.shape[0]
     scales, mins = _k_scales_and_mins(blocks[:, 4:16])
-    step = (_fp16(blocks[:, 0:2]) * scales.float()).unsqueeze(-1)
-    offset = (_fp16(blocks[:, 2:4]) * mins.float()).unsqueeze(-1)
-    q = _nibbles(blocks[:, 16:].reshape(n, 4, 32)).reshape(n, 8, 32).float()
+    step = (fp16_values(blocks[:, 0:2]) * scales.float()).unsqueeze(-1)
+    offset = (fp16_values(blocks[:, 2:4]) * mins.float()).unsqueeze(-1)
+    q = block_nibbles(blocks[:, 16:].reshape(n, 4, 32)).reshape(n, 8, 32).float()
     return (step * q - offset).reshape(n, _QK_K)
 
 
@@ -90,16 +90,16 @@ def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
     Every run of 16 values shares a scale; x = (d * scale) * (q - 32).
     """
     n = blocks.shape[0]
-    low = _nibbles(blocks[:, :128].reshape(n, 2, 64)).reshape(n, 2, 4, 32)
+    low = block_nibbles(blocks[:, :128].reshape(n, 2, 64)).reshape(n, 2, 4, 32)
     high = (blocks[:, 128:192].reshape(n, 2, 1, 32) >> _Q6_K_HIGH_SHIFTS) & 0x03
     q = ((low | (high << 4)).to(torch.int8) - 32).float().reshape(n, 16, 16)
-    step = _fp16(blocks[:, 208:210]) * blocks[:, 192:208].view(torch.int8).float()
+    step = fp16_values(blocks[:, 208:210]) * blocks[:, 192:208].view(torch.int8).float()
     return (step.unsqueeze(-1) * q).reshape(n, _QK_K)
 
 
 # Each decoder takes (n_blocks, bytes_per_block) uint8 and returns (n_blocks, values_per_block) float32.
 _DECODERS: dict[GGMLType, Callable[[torch.Tensor], torch.Tensor]] = {
-    GGMLType.F32: _f32, GGMLType.F16: _fp16, GGMLType.BF16: _bf16,
+    GGMLType.F32: _f32, GGMLType.F16: fp16_values, GGMLType.BF16: _bf16,
     GGMLType.Q8_0: _q8_0, GGMLType.Q4_0: _q4_0, GGMLType.Q4_1: _q4_1,
     GGMLType.Q4_K: _q4_k, GGMLType.Q6_K: _q6_k,
 }

@@ -15,14 +15,11 @@ import numpy as np
 import torch
 
 from ..quantization.weights import Int4Weight, Int8Weight, QuantizedWeight, pack_nibbles
+from .dequantize import block_nibbles, fp16_values
 
 GGMLType = gguf.GGMLQuantizationType
 BLOCK = 32  # inputs per ggml block of these types
 NATIVE_TYPES = frozenset({GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1})
-
-
-def _fp16(raw: torch.Tensor) -> torch.Tensor:
-    return raw.contiguous().view(torch.float16).float().squeeze(-1)
 
 
 def native_weight(tensor: gguf.ReaderTensor) -> QuantizedWeight | None:
@@ -32,10 +29,10 @@ def native_weight(tensor: gguf.ReaderTensor) -> QuantizedWeight | None:
     k, n = (int(d) for d in tensor.shape)  # GGUF lists dimensions innermost first
     _, bytes_per_block = gguf.GGML_QUANT_SIZES[tensor.tensor_type]
     blocks = torch.from_numpy(np.array(tensor.data).reshape(-1).view(np.uint8)).view(n, k // BLOCK, bytes_per_block)
-    scale = _fp16(blocks[..., :2])
+    scale = fp16_values(blocks[..., :2]).squeeze(-1)
     if tensor.tensor_type == GGMLType.Q8_0:
         return Int8Weight(blocks[..., 2:].contiguous().view(torch.int8).reshape(n, k), scale, group_size=BLOCK)
     quants = blocks[..., 4:] if tensor.tensor_type == GGMLType.Q4_1 else blocks[..., 2:]
-    q = torch.cat((quants & 0x0F, quants >> 4), dim=-1).reshape(n, k)
-    offset = _fp16(blocks[..., 2:4]) if tensor.tensor_type == GGMLType.Q4_1 else -8 * scale
+    q = block_nibbles(quants).reshape(n, k)
+    offset = fp16_values(blocks[..., 2:4]).squeeze(-1) if tensor.tensor_type == GGMLType.Q4_1 else -8 * scale
     return Int4Weight(pack_nibbles(q), scale, offset, BLOCK)

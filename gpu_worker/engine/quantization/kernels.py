@@ -48,14 +48,14 @@ class OneDnnInt8LinearKernel:
     copy kept. Measured on a 2-core Sapphire Rapids: 1.5x bf16 at 256 rows, 1.7x on a 49152 x 576 LM head at
     one row; but SmolLM2's perplexity rose 2.1% (weight-only int8: 0.1%), so it is its own method, `w8a8`."""
 
+    copies_weight = True
+
     def __init__(self, weight: Int8Weight, dtype: torch.dtype):
         n, k = weight.shape
         self.packed = torch.ops.onednn.qlinear_prepack(weight.q.contiguous(), [PACKING_BATCH_HINT, k])
         self.weight_scale = weight.scale.float().contiguous()
         self.zero_points = torch.zeros(n, dtype=torch.int64)
         self.native = quant_cpu_kernels()
-
-    copies_weight = True
 
     @staticmethod
     def supports(weight: QuantizedWeight, dtype: torch.dtype, device: torch.device) -> bool:
@@ -83,12 +83,30 @@ def onednn_int8_matmul() -> bool:
     return bool((y == 32).all())
 
 
-class CpuInt8LinearKernel:
-    """x [M, K] bf16 times int8 [N, K] with per-channel or per-group scales (`kernels/quant_cpu_kernels.cpp`): a
-    GEMV that streams the weight once for the few rows of a decode step, dequantized bf16 tiles into oneDNN for
-    more."""
+class _NativeCpuKernel:
+    """Our kernels (`kernels/quant_cpu_kernels.cpp`) for x [M, K] bf16: `gemv`, streaming the weight once, for
+    the few rows of a decode step; `tiles`, dequantized bf16 tiles into oneDNN, for more."""
 
     copies_weight = False
+
+    def gemv(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def tiles(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def __call__(self, x: torch.Tensor, _dense: None, bias: torch.Tensor | None) -> torch.Tensor:
+        y = self.gemv(x.contiguous()) if x.shape[0] <= GEMV_ROWS else self.tiles(x)
+        return y if bias is None else y + bias
+
+    def float32_output(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The product in float32 (the GEMV's own accumulator) for the few rows of a decode step: logits that
+        keep the near-ties bf16 rounding would break (bf16 steps are 0.125 at logit 16)."""
+        if x.shape[0] > GEMV_ROWS:
+            return self(x, None, bias).float()
+        return self(x.float(), None, None if bias is None else bias.float())
+
+
+class CpuInt8LinearKernel(_NativeCpuKernel):
+    """int8 [N, K] with per-channel or per-group scales."""
 
     def __init__(self, weight: Int8Weight, dtype: torch.dtype):
         self.q = weight.q.contiguous()
@@ -100,26 +118,15 @@ class CpuInt8LinearKernel:
         return (isinstance(weight, Int8Weight) and device.type == "cpu" and dtype == torch.bfloat16
                 and quant_cpu_kernels() is not None and (weight.shape[1] // weight.group_scale.shape[1]) % 32 == 0)
 
-    def __call__(self, x: torch.Tensor, _dense: None, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.shape[0] <= GEMV_ROWS:
-            y = self.native.int8_gemv(x.contiguous(), self.q, self.scale)
-        else:
-            y = self.native.int8_dequant_mm(x, self.q, self.scale)
-        return y if bias is None else y + bias
+    def gemv(self, x: torch.Tensor) -> torch.Tensor:
+        return self.native.int8_gemv(x, self.q, self.scale)
 
-    def float32_output(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """The product in float32 (the GEMV's own accumulator) for the few rows of a decode step: logits that
-        keep the near-ties bf16 rounding would break (bf16 steps are 0.125 at logit 16)."""
-        if x.shape[0] > GEMV_ROWS:
-            return self(x, None, bias).float()
-        return self(x.float(), None, None if bias is None else bias.float())
+    def tiles(self, x: torch.Tensor) -> torch.Tensor:
+        return self.native.int8_dequant_mm(x, self.q, self.scale)
 
 
-class CpuInt4LinearKernel:
-    """x [M, K] bf16 times int4 [N, K] in groups: our GEMV for the few rows of a decode step, dequantized bf16
-    tiles into oneDNN for more (`kernels/quant_cpu_kernels.cpp`)."""
-
-    copies_weight = False
+class CpuInt4LinearKernel(_NativeCpuKernel):
+    """int4 [N, K] in groups; an act-order weight's inputs are permuted as they arrive."""
 
     def __init__(self, weight: Int4Weight, dtype: torch.dtype):
         self.input_perm = weight.input_perm
@@ -135,18 +142,13 @@ class CpuInt4LinearKernel:
     def __call__(self, x: torch.Tensor, _dense: None, bias: torch.Tensor | None) -> torch.Tensor:
         if self.input_perm is not None:
             x = x.index_select(-1, self.input_perm)
-        if x.shape[0] <= GEMV_ROWS:
-            y = self.native.int4_gemv(x.contiguous(), self.packed, self.scale, self.offset)
-        else:
-            y = self.native.int4_dequant_mm(x, self.packed, self.scale, self.offset)
-        return y if bias is None else y + bias
+        return super().__call__(x, _dense, bias)
 
-    def float32_output(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """The product in float32 (the GEMV's own accumulator) for the few rows of a decode step: logits that
-        keep the near-ties bf16 rounding would break (bf16 steps are 0.125 at logit 16)."""
-        if x.shape[0] > GEMV_ROWS:
-            return self(x, None, bias).float()
-        return self(x.float(), None, None if bias is None else bias.float())
+    def gemv(self, x: torch.Tensor) -> torch.Tensor:
+        return self.native.int4_gemv(x, self.packed, self.scale, self.offset)
+
+    def tiles(self, x: torch.Tensor) -> torch.Tensor:
+        return self.native.int4_dequant_mm(x, self.packed, self.scale, self.offset)
 
 
 class CudaFp8LinearKernel:

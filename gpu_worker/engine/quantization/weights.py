@@ -4,10 +4,11 @@
 `Int4Weight`: asymmetric, group-wise along the input dimension, w = q * scale + offset (q in 0..15). It is
 ggml's Q4_1 form (Q4_0 is offset = -8 * scale); GPTQ's and AWQ's s * (q - z) is the same weight with
 offset = -s * z. With 16-bit scales every product there is exact in float32, so no file format loses a bit on
-the way in. (torch's int4 kernel takes (q - 8) * scale + zero: zero = offset + 8 * scale, made for it alone.)
+the way in.
 
 Weights are [N, K] as in `nn.Linear` (out, in). Scales and offsets are float32 values that are exact in bfloat16
-when we quantize (the kernels take bf16 scales), and whatever the file held when a checkpoint brought them.
+when we quantize (the kernels then keep them in bf16), and whatever the file held when a checkpoint brought
+them (fp16 values, which the kernels keep in float32).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ class Int8Weight:
 
     @property
     def nbytes(self) -> int:
-        return self.q.nbytes + self.scale.numel() * 2  # scales are served in 16 bits
+        return self.q.nbytes + self.scale.numel() * 2  # our quantizers' scales are served in 16 bits
 
     def select_rows(self, ids: torch.Tensor) -> Int8Weight:
         return Int8Weight(self.q[ids], self.scale[ids], self.group_size, self.int8_activations)
