@@ -76,10 +76,11 @@ class Inputs:
 
 
 class EngineSide:
-    def __init__(self, config: Configuration):
+    def __init__(self, config: Configuration, **engine_options):
         from gpu_worker.engine import LLM
 
-        self.llm = LLM(config.model, dtype=config.dtype, device=config.device, quantization=config.quantization)
+        self.llm = LLM(config.model, dtype=config.dtype, device=config.device, quantization=config.quantization,
+                       **engine_options)
 
     def prompt_logprobs(self, windows: list[list[int]]) -> list[list[float]]:
         from gpu_worker.engine import SamplingParams
@@ -94,17 +95,20 @@ class EngineSide:
         return [out.token_ids for out in self.llm.generate(prompts, params)]
 
     def teacher_forced_argmax(self, sequences: list[list[int]]) -> list[list[int]]:
-        """The model's top token after every position of each sequence, all positions in one forward (one
-        prefill chunk per sequence: the model's hidden states are read as the engine computes them)."""
+        """The model's top token after every position of each sequence, one sequence at a time (the model's
+        hidden states are read as the engine computes them, over as many prefill chunks as it takes)."""
         from gpu_worker.engine import SamplingParams
 
         model = self.llm.engine.runner.model
-        found: list[list[int]] = []
+        chunks: list[list[int]] = []
         hook = model.register_forward_hook(
-            lambda _m, _args, hidden: found.append(model.logits(hidden).argmax(dim=-1).tolist()))
+            lambda _m, _args, hidden: chunks.append(model.logits(hidden).argmax(dim=-1).tolist()))
+        found = []
         try:
             for seq in sequences:
                 self.llm.generate([seq], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0))
+                found.append([t for chunk in chunks for t in chunk])
+                chunks.clear()
         finally:
             hook.remove()
         return found

@@ -24,12 +24,13 @@ import torch
 from . import external_peers
 from .engine import ours_batch1_tps, ours_mixed, weight_bytes
 from .quality import Configuration, EngineSide, Settings, measure, prepare_inputs
-from .quality_tasks import agreement, load_tasks
+from .quality_tasks import agreement, load_tasks, perplexity
 from .report import publish
 from .workloads import batch1, mixed
 
 MODES = ("bf16", "int8", "w8a8", "int4", "int4-awq", "int4-awq-g32", "gguf")
 PEER_TYPES = {"int8": "q8_0", "int4": "q4_0", "gguf": "q4_1"}  # llama.cpp's nearest formats
+DECODE_ROWS_WINDOWS = 4  # of the held-out windows, for the decode-rows perplexity (a forward per 4 tokens)
 FORMAT_VERSION = 2  # of `tokenfleet quantize`'s files: int4 offsets since version 2 (zeros before)
 
 
@@ -74,10 +75,26 @@ def quality(model: str, modes: list[str], settings: Settings) -> dict:
         measured["agreement"] = agreement(tokens, reference_tokens)
         measured["teacher_forced_pct"] = teacher_forced_agreement(side, inputs.prompts, reference_tokens)
         measured["weight_bytes"] = weight_bytes(side.llm.engine.runner.model)
-        results[mode] = measured
         del side
         gc.collect()
+        measured["decode_rows"] = decode_rows_quality(mode_configuration(mode, model), inputs, reference_tokens)
+        results[mode] = measured
     return results
+
+
+def decode_rows_quality(config: Configuration, inputs, reference_tokens: list[list[int]]) -> dict:
+    """Perplexity and teacher-forced agreement with every forward at most GEMV_ROWS tokens: through the kernels
+    that serve decode steps (with VNNI their activations are int8 per run of 32), where prefill's chunks take
+    the many-row kernels (bf16 activations)."""
+    from gpu_worker.engine.quantization.kernels import GEMV_ROWS
+
+    side = EngineSide(config, max_num_batched_tokens=GEMV_ROWS)
+    windows = inputs.windows[:DECODE_ROWS_WINDOWS]
+    result = {"windows": len(windows), "perplexity": perplexity(side.prompt_logprobs(windows)),
+              "teacher_forced_pct": teacher_forced_agreement(side, inputs.prompts, reference_tokens)}
+    del side
+    gc.collect()
+    return result
 
 
 def teacher_forced_agreement(side: EngineSide, prompts: list[list[int]], reference: list[list[int]]) -> float:
@@ -158,15 +175,20 @@ def format_table(r: dict) -> str:
         base = q["bf16"]
         lines += [f"quality: perplexity on {s['windows']} windows x {s['window_len']} tokens, greedy agreement "
                   f"with bf16 on {s['prompts']} prompts x {s['new_tokens']} tokens",
+                  "; decode rows: every forward at most 4 tokens (the decode-step kernels), on "
+                  f"{base['decode_rows']['windows']} windows",
                   "", "| mode | weight bytes | × bf16 | perplexity | Δ ppl | teacher-forced agreement | free-running "
-                  "agreement | first divergence (median) | tasks |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "agreement | first divergence (median) | tasks | decode rows: Δ ppl | teacher-forced |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for mode, m in q.items():
             ppl, ref = m["perplexity"]["perplexity"], base["perplexity"]["perplexity"]
-            a = m["agreement"]
+            a, rows = m["agreement"], m["decode_rows"]
+            rows_ppl = rows["perplexity"]["perplexity"] / base["decode_rows"]["perplexity"]["perplexity"] - 1
             size = m["weight_bytes"]
             lines.append(f"| {mode} | {size / 1e6:.1f} MB | {size / base['weight_bytes']:.3f} | {ppl:.3f} "
                          f"| {(ppl / ref - 1):+.2%} | {m['teacher_forced_pct']:.1f}% | {a['mean_equal_pct']:.1f}% | "
-                         f"{a['median_first_divergence']:g} | {m['tasks']['accuracy']:.1%} |")
+                         f"{a['median_first_divergence']:g} | {m['tasks']['accuracy']:.1%} | {rows_ppl:+.2%} "
+                         f"| {rows['teacher_forced_pct']:.1f}% |")
         lines.append("")
     if "speed" in r:
         sp = r["speed"]

@@ -9,6 +9,7 @@ import torch
 
 from gpu_worker.engine import LLM, SamplingParams
 from gpu_worker.engine.errors import ModelLoadError
+from gpu_worker.engine.kernels import QUANT_CPU_FLAGS, cpu_has
 from gpu_worker.engine.quantization.formats import AwqFormat, GptqFormat
 from gpu_worker.engine.quantization.kernels import (
     CpuInt4LinearKernel,
@@ -101,8 +102,9 @@ def test_cpu_kernels_match_the_dequantizing_reference(n, k, rows, kernel_type):
     w = torch.randn(n, k, generator=generator) / k**0.5
     weight = (quantize_int4(w, 64) if kernel_type is CpuInt4LinearKernel
               else quantize_int8(w, int8_activations=kernel_type is OneDnnInt8LinearKernel))
-    if not kernel_type.supports(weight, torch.bfloat16, torch.device("cpu")):
+    if not cpu_has(QUANT_CPU_FLAGS) or (kernel_type is OneDnnInt8LinearKernel and not onednn_int8_matmul()):
         pytest.skip(f"{kernel_type.__name__} does not run on this CPU")
+    assert kernel_type.supports(weight, torch.bfloat16, torch.device("cpu"))  # not a failed build
     x = torch.randn(rows, k, generator=generator)
     bias = torch.randn(n, generator=generator)
     expected = DequantLinearKernel(weight)(x, None, bias)
@@ -138,8 +140,11 @@ def test_cpu_int4_kernel_permutes_inputs_for_act_order_weights():
     q, scales, zeros = quant_packers.quantize_groupwise(w, 128, g_idx)
     weight = GptqFormat(128, v2=True).read(quant_packers.pack_gptq(q, scales, zeros, 128, g_idx, v2=True))
     x = torch.randn(3, 256, generator=generator)
-    torch.testing.assert_close(CpuInt4LinearKernel(weight, torch.float32)(x, None, None),
-                               x @ weight.dequantize().T, rtol=1e-4, atol=1e-4)
+    want = x @ weight.dequantize().T
+    got = CpuInt4LinearKernel(weight, torch.float32)(x, None, None)
+    # Within the rounding of activations to int8 per run of 32 where the CPU has VNNI (fp32 sums elsewhere); an
+    # input read from the wrong channel would be off by the whole product.
+    assert ((got - want).norm() / want.norm()).item() < 0.01
 
 
 def test_odd_shapes_and_float32_take_the_reference_kernel():

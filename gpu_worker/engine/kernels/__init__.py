@@ -1,62 +1,79 @@
-"""Native kernels, built on first use with torch's C++ extension loader and cached on disk."""
+"""Native kernels, built on first use with torch's C++ extension loader and cached on disk; each loader returns
+None where the CPU lacks the instructions its source is written for (the torch path serves, just slower)."""
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 from pathlib import Path
 
 import torch
 
+log = logging.getLogger(__name__)
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    try:
+        return frozenset(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return frozenset()
+
+
+def cpu_has(flags: frozenset[str]) -> bool:
+    return flags <= cpu_flags()
+
 
 def cpu_has_avx512_bf16() -> bool:
+    return "avx512_bf16" in cpu_flags()
+
+
+QUANT_CPU_FLAGS = frozenset({"avx2", "fma", "f16c"})
+QUANT_VNNI_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"})
+
+
+def _build(name: str, source: str, cflags: list[str]):
+    from torch.utils.cpp_extension import load
+
+    from ..builtin_models import cache_dir
+
+    # A folder per checkout: torch rebuilds a module whose source path changed, and two checkouts sharing one
+    # folder (a CI clone beside a working tree) deleted each other's .so while the other was loading it.
+    here = Path(__file__).parent
+    build = cache_dir() / "kernels" / f"torch-{torch.__version__}" / hashlib.sha1(str(here).encode()).hexdigest()[:12]
+    build.mkdir(parents=True, exist_ok=True)
     try:
-        return "avx512_bf16" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
+        return load(name=name, sources=[str(here / source)], build_directory=str(build),
+                    extra_cflags=["-O3", *cflags, "-fopenmp"], extra_ldflags=["-fopenmp"])
+    except Exception as exc:  # no compiler or ninja
+        log.warning("%s unavailable (%s); using the torch path", source, exc)
+        return None
 
 
 @functools.cache
 def cpu_kernels():
-    """`cpu_kernels.cpp` as a module, or None where it cannot run (no AVX512-BF16) or cannot build."""
+    """`cpu_kernels.cpp` (bf16 attention and GEMV) as a module, or None (it needs AVX512-BF16)."""
     if not cpu_has_avx512_bf16():
         return None
-    from torch.utils.cpp_extension import load
-
-    from ..builtin_models import cache_dir
-
-    build = cache_dir() / "kernels" / f"torch-{torch.__version__}"
-    build.mkdir(parents=True, exist_ok=True)
-    source = Path(__file__).parent / "cpu_kernels.cpp"
-    try:
-        return load(name="tokenfleet_cpu_kernels", sources=[str(source)], build_directory=str(build),
-                    extra_cflags=["-O3", "-mavx512f", "-mavx512bf16", "-fopenmp"], extra_ldflags=["-fopenmp"])
-    except Exception as exc:  # no compiler or ninja: the torch path serves, just slower
-        logging.getLogger(__name__).warning("CPU kernels unavailable (%s); using the torch path", exc)
-        return None
+    return _build("tokenfleet_cpu_kernels", "cpu_kernels.cpp", ["-mavx512f", "-mavx512bf16"])
 
 
 @functools.cache
 def quant_cpu_kernels():
-    """`quant_cpu_kernels.cpp` (int8 / int4 few-row products) as a module, or None where it cannot run (no
-    AVX2 + FMA + F16C) or cannot build."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        flags = []
-    if not all(f in flags for f in ("avx2", "fma", "f16c")):
-        logging.getLogger(__name__).warning("quantized CPU kernels need AVX2, FMA and F16C; using the torch path")
+    """`quant_cpu_kernels.cpp` (int8 / int4 products, bf16 or fp32 activations) as a module, or None (it needs
+    AVX2 + FMA + F16C)."""
+    if not cpu_has(QUANT_CPU_FLAGS):
+        log.warning("quantized CPU kernels need AVX2, FMA and F16C; using the torch path")
         return None
-    from torch.utils.cpp_extension import load
+    return _build("tokenfleet_quant_cpu_kernels", "quant_cpu_kernels.cpp", ["-mavx2", "-mfma", "-mf16c"])
 
-    from ..builtin_models import cache_dir
 
-    build = cache_dir() / "kernels" / f"torch-{torch.__version__}"
-    build.mkdir(parents=True, exist_ok=True)
-    source = Path(__file__).parent / "quant_cpu_kernels.cpp"
-    try:
-        return load(name="tokenfleet_quant_cpu_kernels", sources=[str(source)], build_directory=str(build),
-                    extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"], extra_ldflags=["-fopenmp"])
-    except Exception as exc:  # no compiler or ninja: the torch path serves, just slower
-        logging.getLogger(__name__).warning("quantized CPU kernels unavailable (%s); using the torch path", exc)
+@functools.cache
+def quant_vnni_kernels():
+    """`quant_vnni_kernels.cpp` (few-row int8 / int4 products with int8 activations) as a module, or None (it
+    needs AVX512-VNNI: Intel since Cascade Lake, AMD since Zen 4)."""
+    if not cpu_has(QUANT_VNNI_FLAGS):
         return None
+    return _build("tokenfleet_quant_vnni_kernels", "quant_vnni_kernels.cpp",
+                  ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512dq"])

@@ -22,38 +22,19 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+
+#include "quant_common.h"
 
 namespace {
 
-constexpr int64_t kMaxRows = 8;
-constexpr int64_t kMinParallelWeights = 1 << 15;  // below this, one thread: a parallel region costs more
+constexpr int64_t kMaxRows = kMaxRowsAtOnce;
 
-inline uint16_t to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7FFFFFFF) > 0x7F800000) return static_cast<uint16_t>((u >> 16) | 0x40);  // NaN stays NaN
-  u += 0x7FFF + ((u >> 16) & 1);  // round to nearest even, as torch
-  return static_cast<uint16_t>(u >> 16);
-}
-
-// Round to nearest even without the NaN case: for dequantized weights, which are finite (branch-free, so the
+// bf16 rounded to nearest even, for dequantized weights, which are finite (no NaN case: branch-free, so the
 // dequantization loops vectorize).
 inline uint16_t to_bf16_finite(float f) {
   uint32_t u;
   std::memcpy(&u, &f, 4);
   return static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
-}
-
-inline float load_float(const float* p) { return *p; }
-inline float load_float(const at::BFloat16* p) { return static_cast<float>(*p); }
-
-inline void store(float* y, float v) { *y = v; }
-inline void store(at::BFloat16* y, float v) {
-  const uint16_t bits = to_bf16(v);
-  std::memcpy(y, &bits, 2);
 }
 
 inline float hsum(__m256 v) {
@@ -163,36 +144,6 @@ void int4_rows(const float* x, const float* xsum, const uint8_t* packed, const S
   }
 }
 
-// Calls body(std::integral_constant<int, M>) for the runtime M in 1 .. kMaxRows.
-template <typename F>
-void dispatch_rows(int64_t M, F&& body) {
-  switch (M) {
-    case 1: return body(std::integral_constant<int, 1>());
-    case 2: return body(std::integral_constant<int, 2>());
-    case 3: return body(std::integral_constant<int, 3>());
-    case 4: return body(std::integral_constant<int, 4>());
-    case 5: return body(std::integral_constant<int, 5>());
-    case 6: return body(std::integral_constant<int, 6>());
-    case 7: return body(std::integral_constant<int, 7>());
-    case 8: return body(std::integral_constant<int, 8>());
-  }
-  TORCH_CHECK(false, "x must have 1 to ", kMaxRows, " rows");
-}
-
-// Each thread takes one contiguous range of rows: rows(n0, n1).
-template <typename F>
-void parallel_rows(int64_t N, int64_t K, F&& rows) {
-#pragma omp parallel if (N * K >= kMinParallelWeights)
-  {
-#ifdef _OPENMP
-    const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
-#else
-    const int64_t threads = 1, t = 0;
-#endif
-    rows(N * t / threads, N * (t + 1) / threads);
-  }
-}
-
 // x [M, K] as fp32: x's own data when it is fp32 and contiguous, else a copy in `buffer`. (Converting here
 // rather than with x.to(kFloat) saves a torch op, ~2 us, on calls that take 20 us at small N.)
 const float* x_as_fp32(const torch::Tensor& x, std::vector<float>& buffer) {
@@ -219,16 +170,6 @@ void check_scales(const torch::Tensor& s, at::IntArrayRef shape, const char* nam
   TORCH_CHECK(s.device().is_cpu() && (s.scalar_type() == at::kFloat || s.scalar_type() == at::kBFloat16),
               name, " must be a float32 or bfloat16 CPU tensor");
   TORCH_CHECK(s.sizes() == shape, name, " must be ", shape, ", got ", s.sizes());
-}
-
-// Calls body(S*, Y*) with the scales' and the output's element types.
-template <typename F>
-void dispatch_types(const torch::Tensor& scale, const torch::Tensor& y, F&& body) {
-  const bool bf16_scale = scale.scalar_type() == at::kBFloat16, bf16_y = y.scalar_type() == at::kBFloat16;
-  if (bf16_scale && bf16_y) body(scale.data_ptr<at::BFloat16>(), y.data_ptr<at::BFloat16>());
-  else if (bf16_scale) body(scale.data_ptr<at::BFloat16>(), y.data_ptr<float>());
-  else if (bf16_y) body(scale.data_ptr<float>(), y.data_ptr<at::BFloat16>());
-  else body(scale.data_ptr<float>(), y.data_ptr<float>());
 }
 
 
@@ -295,23 +236,25 @@ void int4_dequant_rows(const uint8_t* packed, const S* scale, const S* offset, u
                load_float(offset + n * groups + g), out + (n - n0) * K + g * G, G);
 }
 
-// y = x @ W.T for many rows of x (prefill chunks, large decode batches), W dequantized one tile of rows at a
-// time into a bf16 buffer that stays in cache, each tile multiplied by oneDNN's bf16 matmul (AMX / AVX512-BF16
-// where the CPU has them): the dequantization is paid once per call for all rows, where the weight-only ops
-// redo it per row (they ran 5-10x slower than bf16 at 32-256 rows). `dequant(buffer, n0, n1)` writes rows
-// [n0, n1) of W.
+// y = x @ W.T for many rows of x (prefill chunks, large decode batches), W dequantized a tile of rows at a time
+// into a bf16 buffer and multiplied by oneDNN's bf16 matmul (AMX / AVX512-BF16 where the CPU has them): the
+// dequantization is paid once per call for all rows, where the weight-only ops redo it per row (they ran
+// 5-10x slower than bf16 at 32-256 rows). Tiles of up to kTileWeights hold a small model's whole matrix, so
+// most calls are one dequantization and one x @ W.T straight into y (larger models' tiles write into y's
+// columns in place); at 1024 rows this runs as fast as bf16's prepacked matmul, where the former ~1 MiB
+// tiles' W @ x.T and the transpose of y it needed cost twice the matmul itself. The buffer is the calling
+// thread's, kept between calls. `dequant(buffer, n0, n1)` writes rows [n0, n1) of W.
+constexpr int64_t kTileWeights = int64_t{4} << 20;
 template <typename F>
 torch::Tensor tiled_dequant_mm(const torch::Tensor& x, int64_t N, int64_t K, F&& dequant) {
   const int64_t M = x.size(0);
-  // ~1 MiB of bf16 weights a tile: within L2 of current server cores, many rows for oneDNN to block over.
-  const int64_t tile = std::max<int64_t>(64, std::min<int64_t>(N, ((1 << 19) / K + 15) / 16 * 16));
+  const int64_t tile = std::min<int64_t>(N, std::max<int64_t>(16, kTileWeights / K / 16 * 16));
+  thread_local std::vector<uint16_t> storage;
+  storage.resize(std::max<size_t>(storage.size(), tile * K));
   const auto xb = x.to(at::kBFloat16).contiguous();
-  auto buffer = torch::empty({tile, K}, xb.options());
-  // y.T [N, M]: each tile's product is a contiguous run of its rows (tile @ x.T ran faster than x @ tile.T, and
-  // one transpose at the end costs less than a strided copy per tile).
-  auto y_t = torch::empty({N, M}, xb.options());
-  auto* bp = static_cast<uint16_t*>(buffer.data_ptr());
-  const auto x_t = xb.t();
+  auto buffer = torch::from_blob(storage.data(), {tile, K}, xb.options());
+  auto* bp = storage.data();
+  torch::Tensor y = N == tile ? torch::Tensor() : torch::empty({M, N}, xb.options());
   for (int64_t n0 = 0; n0 < N; n0 += tile) {
     const int64_t rows = std::min(tile, N - n0);
 #pragma omp parallel
@@ -324,10 +267,13 @@ torch::Tensor tiled_dequant_mm(const torch::Tensor& x, int64_t N, int64_t K, F&&
       const int64_t a = n0 + rows * t / threads, b = n0 + rows * (t + 1) / threads;
       dequant(bp + (a - n0) * K, a, b);
     }
-    auto out = y_t.narrow(0, n0, rows);
-    at::mm_out(out, buffer.narrow(0, 0, rows), x_t);
+    if (N == tile) {
+      y = at::mm(xb, buffer.t());
+    } else {
+      auto out = y.narrow(1, n0, rows);
+      at::mm_out(out, xb, buffer.narrow(0, 0, rows).t());
+    }
   }
-  const auto y = y_t.t().contiguous();
   return x.scalar_type() == at::kBFloat16 ? y : y.to(x.scalar_type());
 }
 

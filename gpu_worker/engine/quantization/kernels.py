@@ -10,15 +10,21 @@ weights). In bfloat16 on CPU our native kernels read 1 or 0.5 bytes per weight w
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from ..kernels import quant_cpu_kernels
+from ..kernels import quant_cpu_kernels, quant_vnni_kernels
 from .weights import FP8_MAX, Fp8Weight, Int4Weight, Int8Weight, QuantizedWeight
 
-# Rows up to which the native GEMV beats dequantized tiles: it streams the weight once for all of them.
+# Rows up to which the native GEMVs beat dequantized tiles (they stream the weight once for all of them, but
+# their arithmetic grows with the rows where oneDNN's AMX barely notices): the fp32 ones up to 4; the
+# int8-activation ones, measured on a Sapphire Rapids VM (SmolLM2's matrices, bf16 = 1): int8 1.8 at 8 rows
+# and 0.7-1.0 at 16 (tiles 0.8), int4 1.1-1.3 at 8 and 0.6-0.7 at 16 (tiles 0.8).
 GEMV_ROWS = 4
+VNNI_INT8_ROWS = 12
+VNNI_INT4_ROWS = 8
 # The row count oneDNN tunes a prepacked int8 layout for; it serves every row count.
 PACKING_BATCH_HINT = 128
 
@@ -83,24 +89,36 @@ def onednn_int8_matmul() -> bool:
     return bool((y == 32).all())
 
 
+def few_row_gemvs(group_size: int) -> tuple[tuple[Callable, int], tuple[Callable, int]]:
+    """The int8 and int4 GEMVs that serve a decode step's few rows for weights in groups of `group_size`, each
+    with the most rows it serves: the int8-activation ones (`kernels/quant_vnni_kernels.cpp`) where the CPU has
+    VNNI and they take the group size, else the fp32 ones (`kernels/quant_cpu_kernels.cpp`)."""
+    vnni = quant_vnni_kernels()
+    if vnni is not None and (group_size == 32 or group_size % 64 == 0):
+        return (vnni.int8_gemv_a8, VNNI_INT8_ROWS), (vnni.int4_gemv_a8, VNNI_INT4_ROWS)
+    native = quant_cpu_kernels()
+    return (native.int8_gemv, GEMV_ROWS), (native.int4_gemv, GEMV_ROWS)
+
+
 class _NativeCpuKernel:
-    """Our kernels (`kernels/quant_cpu_kernels.cpp`) for x [M, K] bf16: `gemv`, streaming the weight once, for
-    the few rows of a decode step; `tiles`, dequantized bf16 tiles into oneDNN, for more."""
+    """Our kernels for x [M, K] bf16: `gemv`, streaming the weight once, for the few rows of a decode step;
+    `tiles`, dequantized bf16 tiles into oneDNN (`kernels/quant_cpu_kernels.cpp`), for more."""
 
     copies_weight = False
+    gemv_rows = GEMV_ROWS
 
     def gemv(self, x: torch.Tensor) -> torch.Tensor: ...
 
     def tiles(self, x: torch.Tensor) -> torch.Tensor: ...
 
     def __call__(self, x: torch.Tensor, _dense: None, bias: torch.Tensor | None) -> torch.Tensor:
-        y = self.gemv(x.contiguous()) if x.shape[0] <= GEMV_ROWS else self.tiles(x)
+        y = self.gemv(x.contiguous()) if x.shape[0] <= self.gemv_rows else self.tiles(x)
         return y if bias is None else y + bias
 
     def float32_output(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """The product in float32 (the GEMV's own accumulator) for the few rows of a decode step: logits that
         keep the near-ties bf16 rounding would break (bf16 steps are 0.125 at logit 16)."""
-        if x.shape[0] > GEMV_ROWS:
+        if x.shape[0] > self.gemv_rows:
             return self(x, None, bias).float()
         return self(x.float(), None, None if bias is None else bias.float())
 
@@ -112,6 +130,7 @@ class CpuInt8LinearKernel(_NativeCpuKernel):
         self.q = weight.q.contiguous()
         self.scale = exact_scales(weight.group_scale)
         self.native = quant_cpu_kernels()
+        self._gemv, self.gemv_rows = few_row_gemvs(weight.shape[1] // self.scale.shape[1])[0]
 
     @staticmethod
     def supports(weight: QuantizedWeight, dtype: torch.dtype, device: torch.device) -> bool:
@@ -119,7 +138,7 @@ class CpuInt8LinearKernel(_NativeCpuKernel):
                 and quant_cpu_kernels() is not None and (weight.shape[1] // weight.group_scale.shape[1]) % 32 == 0)
 
     def gemv(self, x: torch.Tensor) -> torch.Tensor:
-        return self.native.int8_gemv(x, self.q, self.scale)
+        return self._gemv(x, self.q, self.scale)
 
     def tiles(self, x: torch.Tensor) -> torch.Tensor:
         return self.native.int8_dequant_mm(x, self.q, self.scale)
@@ -133,6 +152,7 @@ class CpuInt4LinearKernel(_NativeCpuKernel):
         self.packed = weight.packed.contiguous()
         self.scale, self.offset = exact_scales(weight.scale, weight.offset)
         self.native = quant_cpu_kernels()
+        self._gemv, self.gemv_rows = few_row_gemvs(weight.group_size)[1]
 
     @staticmethod
     def supports(weight: QuantizedWeight, dtype: torch.dtype, device: torch.device) -> bool:
@@ -145,7 +165,7 @@ class CpuInt4LinearKernel(_NativeCpuKernel):
         return super().__call__(x, _dense, bias)
 
     def gemv(self, x: torch.Tensor) -> torch.Tensor:
-        return self.native.int4_gemv(x, self.packed, self.scale, self.offset)
+        return self._gemv(x, self.packed, self.scale, self.offset)
 
     def tiles(self, x: torch.Tensor) -> torch.Tensor:
         return self.native.int4_dequant_mm(x, self.packed, self.scale, self.offset)
