@@ -46,11 +46,17 @@ class Configuration:
     device: str = "cpu"
     engine: str = "tokenfleet"  # or "hf": transformers on the same checkpoint
     quantization: str | None = None  # weights quantized at load time (int8, int4)
+    kv_cache_dtype: str = "auto"  # or int8
 
     @property
     def label(self) -> str:
         quantized = f" {self.quantization}" if self.quantization else ""
-        return f"{self.engine} {self.model} {self.dtype}{quantized} {self.device}"
+        kv = f" kv {self.kv_cache_dtype}" if self.kv_cache_dtype != "auto" else ""
+        return f"{self.engine} {self.model} {self.dtype}{quantized}{kv} {self.device}"
+
+    def engine_options(self) -> dict:
+        return dict(dtype=self.dtype, device=self.device, quantization=self.quantization,
+                    kv_cache_dtype=self.kv_cache_dtype)
 
 
 @dataclass(frozen=True)
@@ -79,8 +85,7 @@ class EngineSide:
     def __init__(self, config: Configuration, **engine_options):
         from gpu_worker.engine import LLM
 
-        self.llm = LLM(config.model, dtype=config.dtype, device=config.device, quantization=config.quantization,
-                       **engine_options)
+        self.llm = LLM(config.model, **config.engine_options(), **engine_options)
 
     def prompt_logprobs(self, windows: list[list[int]]) -> list[list[float]]:
         from gpu_worker.engine import SamplingParams

@@ -7,7 +7,8 @@ with its spread; with `--peer llamacpp`, llama.cpp's q8_0 and q4_0 of the same c
 round too. Modes: int8 / w8a8 / int4 quantized at load time (round to nearest, groups of 128 or the largest that
 divides a layer's inputs), int4-awq (-g32) written by `tokenfleet quantize` (activation-aware scales, groups
 of 128 or 32) and served with no flag; gguf: a GGUF model's own file, its Q8_0 / Q4_0 / Q4_1 matrices served as
-int8 / int4 (the other modes then start from a dense bf16 copy of the file's weights).
+int8 / int4 (the other modes then start from a dense bf16 copy of the file's weights); kv-int8: bf16 weights with
+an int8 KV cache (its token capacity against bf16's in the same pool is reported with the quality figures).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from .quality_tasks import agreement, load_tasks, perplexity
 from .report import publish
 from .workloads import batch1, mixed
 
-MODES = ("bf16", "int8", "w8a8", "int4", "int4-awq", "int4-awq-g32", "gguf")
+MODES = ("bf16", "int8", "w8a8", "int4", "int4-awq", "int4-awq-g32", "gguf", "kv-int8")
 PEER_TYPES = {"int8": "q8_0", "int4": "q4_0", "gguf": "q4_1"}  # llama.cpp's nearest formats
 DECODE_ROWS_WINDOWS = 4  # of the held-out windows, for the decode-rows perplexity (a forward per 4 tokens)
 FORMAT_VERSION = 2  # of `tokenfleet quantize`'s files: int4 offsets since version 2 (zeros before)
@@ -38,6 +39,8 @@ def mode_configuration(mode: str, model: str) -> Configuration:
     if mode == "gguf":
         return Configuration(model, "bfloat16")  # the file's own quantized matrices, served as stored
     dense = dense_checkpoint(model)
+    if mode == "kv-int8":
+        return Configuration(dense, "bfloat16", kv_cache_dtype="int8")  # bf16 weights, int8 keys and values
     if mode.startswith("int4-awq"):
         return Configuration(str(converted(dense, "int4", 32 if mode.endswith("g32") else 128)), "bfloat16")
     return Configuration(dense, "bfloat16", quantization=None if mode == "bf16" else mode)
@@ -75,6 +78,7 @@ def quality(model: str, modes: list[str], settings: Settings) -> dict:
         measured["agreement"] = agreement(tokens, reference_tokens)
         measured["teacher_forced_pct"] = teacher_forced_agreement(side, inputs.prompts, reference_tokens)
         measured["weight_bytes"] = weight_bytes(side.llm.engine.runner.model)
+        measured["kv_tokens"] = side.llm.engine.kv.pool.num_blocks * side.llm.engine.config.block_size
         del side
         gc.collect()
         measured["decode_rows"] = decode_rows_quality(mode_configuration(mode, model), inputs, reference_tokens)
@@ -114,7 +118,7 @@ def speed(model: str, modes: list[str], args: Namespace) -> dict:
     """Tokens/s per mode and round; every mode loaded at once so that each round runs them back to back."""
     from gpu_worker.engine import LLM
 
-    llms = {m: LLM(c.model, dtype=c.dtype, quantization=c.quantization)
+    llms = {m: LLM(c.model, **c.engine_options())
             for m in modes for c in [mode_configuration(m, model)]}
     vocab = next(iter(llms.values())).engine.model_config.vocab_size
     b1, mix = batch1(vocab), mixed(vocab, args.num_requests)
@@ -178,8 +182,8 @@ def format_table(r: dict) -> str:
                   "; decode rows: every forward at most 4 tokens (the decode-step kernels), on "
                   f"{base['decode_rows']['windows']} windows",
                   "", "| mode | weight bytes | × bf16 | perplexity | Δ ppl | teacher-forced agreement | free-running "
-                  "agreement | first divergence (median) | tasks | decode rows: Δ ppl | teacher-forced |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "agreement | first divergence (median) | tasks | decode rows: Δ ppl | teacher-forced | KV tokens "
+                  "× bf16 |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for mode, m in q.items():
             ppl, ref = m["perplexity"]["perplexity"], base["perplexity"]["perplexity"]
             a, rows = m["agreement"], m["decode_rows"]
@@ -188,7 +192,7 @@ def format_table(r: dict) -> str:
             lines.append(f"| {mode} | {size / 1e6:.1f} MB | {size / base['weight_bytes']:.3f} | {ppl:.3f} "
                          f"| {(ppl / ref - 1):+.2%} | {m['teacher_forced_pct']:.1f}% | {a['mean_equal_pct']:.1f}% | "
                          f"{a['median_first_divergence']:g} | {m['tasks']['accuracy']:.1%} | {rows_ppl:+.2%} "
-                         f"| {rows['teacher_forced_pct']:.1f}% |")
+                         f"| {rows['teacher_forced_pct']:.1f}% | {m['kv_tokens'] / base['kv_tokens']:.2f} |")
         lines.append("")
     if "speed" in r:
         sp = r["speed"]

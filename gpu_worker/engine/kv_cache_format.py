@@ -72,6 +72,24 @@ class Int8PagedAttention(TorchPagedAttention):
                      * _gather(kv_cache.scale[i][..., None], block_tables, length) for i in (0, 1))
 
 
+class CpuInt8PagedAttention(Int8PagedAttention):
+    """KV writes and decode attention by `kernels/cpu_attention_kernels.cpp` on the int8 cache itself (bf16 on
+    CPU): keys and values dequantized in registers, where the reference gathers a dequantized copy of every
+    context. Prefill over a cached context still takes the reference."""
+
+    def __init__(self, scale: float, kernels):
+        super().__init__(scale)
+        self.kernels = kernels
+
+    def write_kv(self, k, v, kv_cache: Int8KVCache, meta) -> None:
+        self.kernels.write_kv_int8(k, v, kv_cache.data, kv_cache.scale, meta.slot_blocks, meta.slot_offsets)
+
+    def decode(self, q, kv_cache: Int8KVCache, meta) -> torch.Tensor:
+        return self.kernels.paged_decode_attention_int8(q.contiguous(), kv_cache.data, kv_cache.scale,
+                                                        meta.decode_block_tables, meta.decode_context_lens,
+                                                        self.scale)
+
+
 class Int8KVFormat:
     name = "int8"
 
@@ -89,8 +107,12 @@ class Int8KVFormat:
                 for _ in range(num_layers)]
 
     def install(self, model: Transformer, device: torch.device) -> None:
+        """The native CPU attention where it applies (bf16 on CPU), the torch reference elsewhere."""
+        kernels = cpu_kernels() if device.type == "cpu" and self.dtype == torch.bfloat16 else None
+        native = CpuPagedAttention.supports(kernels, self.dtype, device, model.config.head_dim)
         for layer in model.layers:
-            layer.self_attn.attn = Int8PagedAttention(layer.self_attn.attn.scale)
+            scale = layer.self_attn.attn.scale
+            layer.self_attn.attn = CpuInt8PagedAttention(scale, kernels) if native else Int8PagedAttention(scale)
 
 
 KVCacheFormat = DenseKVFormat | Int8KVFormat

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from gpu_worker.engine.attention import AttentionMetadata, CpuPagedAttention, TorchPagedAttention
 from gpu_worker.engine.kernels import cpu_has_avx512_bf16, cpu_kernels
 from gpu_worker.engine.linear import Linear, OneDnnPackedLinearKernel, onednn_packs_bf16
+from tests.paged_metadata import decode_metadata
 
 needs_avx512_bf16 = pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="the native kernels need AVX512-BF16")
 
@@ -59,20 +60,6 @@ def test_float32_layers_keep_the_reference_kernel():
     assert not isinstance(layer.kernel, OneDnnPackedLinearKernel)
 
 
-def _decode_metadata(context_lens: list[int], num_blocks: int, block_size: int) -> AttentionMetadata:
-    gen = torch.Generator().manual_seed(len(context_lens))
-    blocks = torch.randperm(num_blocks, generator=gen).tolist()
-    tables = []
-    for length in context_lens:
-        need = -(-length // block_size)
-        tables.append(blocks[:need])
-        blocks = blocks[need:]
-    width = max(len(t) for t in tables)
-    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables])
-    no_tokens = torch.empty(0, dtype=torch.long)
-    return AttentionMetadata(no_tokens, no_tokens, block_size, context_lens, padded, torch.tensor(context_lens), [])
-
-
 @needs_avx512_bf16
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(12, 4, 64), (8, 8, 32), (16, 2, 128)])
 def test_paged_decode_attention_matches_the_reference(heads, kv_heads, head_dim):
@@ -81,7 +68,7 @@ def test_paged_decode_attention_matches_the_reference(heads, kv_heads, head_dim)
     kv_cache = torch.randn(2, num_blocks, kv_heads, block_size, head_dim, dtype=torch.bfloat16)
     context_lens = [1, 17, 300, 64, 5, 129]
     q = torch.randn(len(context_lens), heads, head_dim, dtype=torch.bfloat16)
-    meta = _decode_metadata(context_lens, num_blocks, block_size)
+    meta = decode_metadata(context_lens, num_blocks, block_size)
     scale = head_dim**-0.5
     want = TorchPagedAttention(scale).decode(q, kv_cache, meta)
     got = CpuPagedAttention(scale, cpu_kernels()).decode(q, kv_cache, meta)

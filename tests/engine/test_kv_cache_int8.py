@@ -7,8 +7,19 @@ import pytest
 import torch
 
 from gpu_worker.engine import LLM, SamplingParams
+from gpu_worker.engine.attention import AttentionMetadata
 from gpu_worker.engine.errors import ModelLoadError
-from gpu_worker.engine.kv_cache_format import Int8KVFormat, quantize_per_row
+from gpu_worker.engine.kernels import cpu_has_avx512_bf16, cpu_kernels
+from gpu_worker.engine.kv_cache_format import (
+    CpuInt8PagedAttention,
+    Int8KVCache,
+    Int8KVFormat,
+    Int8PagedAttention,
+    quantize_per_row,
+)
+from tests.paged_metadata import decode_metadata
+
+needs_avx512_bf16 = pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="the native kernels need AVX512-BF16")
 
 PROMPTS = [[5, 17, 42, 9, 33, 2, 71, 8, 120, 7] * 4, [90, 3, 3, 14] * 5]
 HEAD_DIM_64 = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
@@ -65,3 +76,56 @@ def test_fp8_cache_on_cpu_is_refused_with_the_reason(make_checkpoint):
 def test_unknown_kv_cache_dtype_is_refused(make_checkpoint):
     with pytest.raises(ValueError, match="auto, int8, fp8"):
         LLM(str(make_checkpoint("llama")), kv_cache_dtype="int4")
+
+
+def _int8_cache(num_blocks: int, kv_heads: int, block_size: int, head_dim: int) -> Int8KVCache:
+    return Int8KVFormat(torch.bfloat16).allocate(1, num_blocks, block_size, kv_heads, head_dim, torch.device("cpu"))[0]
+
+
+@needs_avx512_bf16
+def test_native_int8_write_stores_the_references_values_and_scales_from_a_fused_qkv_slice():
+    torch.manual_seed(5)
+    kv_heads, head_dim, block_size, num_blocks, tokens = 4, 64, 16, 20, 37
+    magnitudes = torch.logspace(-3, 2, tokens)[:, None]  # the rows' scales from tiny to large
+    qkv = (torch.randn(tokens, (12 + 2 * kv_heads) * head_dim) * magnitudes).bfloat16()
+    _, k, v = qkv.split([12 * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    k, v = k.view(tokens, kv_heads, head_dim), v.view(tokens, kv_heads, head_dim)
+    slots = torch.randperm(num_blocks * block_size)[:tokens]
+    meta = AttentionMetadata(slots // block_size, slots % block_size, block_size, [], None, None, [])
+    caches = [_int8_cache(num_blocks, kv_heads, block_size, head_dim) for _ in range(2)]
+    Int8PagedAttention(1.0).write_kv(k, v, caches[0], meta)
+    CpuInt8PagedAttention(1.0, cpu_kernels()).write_kv(k, v, caches[1], meta)
+    assert torch.equal(caches[0].data, caches[1].data) and torch.equal(caches[0].scale, caches[1].scale)
+    assert caches[1].scale.count_nonzero() == 2 * tokens * kv_heads
+
+
+@needs_avx512_bf16
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(12, 4, 64), (8, 8, 32), (16, 2, 128)])
+def test_native_int8_decode_attention_matches_the_dequantizing_reference(heads, kv_heads, head_dim):
+    torch.manual_seed(heads)
+    block_size, num_blocks = 16, 200
+    cache = _int8_cache(num_blocks, kv_heads, block_size, head_dim)
+    cache.data.copy_(torch.randint(-127, 128, cache.data.shape, dtype=torch.int8))
+    cache.scale.copy_((torch.rand(cache.scale.shape) * 0.05 + 1e-3).bfloat16())
+    context_lens = [1, 17, 300, 64, 5, 129]
+    q = torch.randn(len(context_lens), heads, head_dim, dtype=torch.bfloat16)
+    meta = decode_metadata(context_lens, num_blocks, block_size)
+    scale = head_dim**-0.5
+    want = Int8PagedAttention(scale).decode(q.float(), Int8KVCache(cache.data, cache.scale.float()), meta)
+    got = CpuInt8PagedAttention(scale, cpu_kernels()).decode(q, cache, meta)
+    assert got.dtype == torch.bfloat16
+    assert ((got.float() - want).abs() <= 1e-2 * want.abs() + 1e-2 * want.abs().max()).all()
+
+
+@needs_avx512_bf16
+def test_bf16_serving_reads_the_int8_cache_natively_and_scores_as_the_reference_does(make_checkpoint):
+    model = str(make_checkpoint("llama", **HEAD_DIM_64))
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    native = LLM(model, dtype="bfloat16", kv_cache_dtype="int8")
+    assert isinstance(native.engine.runner.model.layers[0].self_attn.attn, CpuInt8PagedAttention)
+    reference = LLM(model, dtype="bfloat16", kv_cache_dtype="int8")
+    for layer in reference.engine.runner.model.layers:
+        layer.self_attn.attn = Int8PagedAttention(layer.self_attn.attn.scale)
+    got, want = native.generate(PROMPTS, params), reference.generate(PROMPTS, params)
+    same = sum(a == b for o, r in zip(got, want, strict=True) for a, b in zip(o.token_ids, r.token_ids, strict=True))
+    assert same >= 0.9 * sum(len(o.token_ids) for o in want)  # bf16 near-ties may flip a token, no more

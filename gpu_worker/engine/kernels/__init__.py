@@ -31,9 +31,10 @@ def cpu_has_avx512_bf16() -> bool:
 
 QUANT_CPU_FLAGS = frozenset({"avx2", "fma", "f16c"})
 QUANT_VNNI_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"})
+QUANT_AMX_FLAGS = frozenset({"amx_tile", "amx_bf16", "avx512_bf16", "avx512bw", "avx512vl"})
 
 
-def _build(name: str, source: str, cflags: list[str]):
+def _build(name: str, sources: list[str], cflags: list[str]):
     from torch.utils.cpp_extension import load
 
     from ..builtin_models import cache_dir
@@ -44,19 +45,21 @@ def _build(name: str, source: str, cflags: list[str]):
     build = cache_dir() / "kernels" / f"torch-{torch.__version__}" / hashlib.sha1(str(here).encode()).hexdigest()[:12]
     build.mkdir(parents=True, exist_ok=True)
     try:
-        return load(name=name, sources=[str(here / source)], build_directory=str(build),
+        return load(name=name, sources=[str(here / source) for source in sources], build_directory=str(build),
                     extra_cflags=["-O3", *cflags, "-fopenmp"], extra_ldflags=["-fopenmp"])
     except Exception as exc:  # no compiler or ninja
-        log.warning("%s unavailable (%s); using the torch path", source, exc)
+        log.warning("%s unavailable (%s); using the torch path", " + ".join(sources), exc)
         return None
 
 
 @functools.cache
 def cpu_kernels():
-    """`cpu_kernels.cpp` (bf16 attention and GEMV) as a module, or None (it needs AVX512-BF16)."""
+    """`cpu_kernels.cpp` + `cpu_attention_kernels.cpp` (bf16 element-wise ops, GEMV, paged attention over bf16
+    and int8 caches) as one module, or None (it needs AVX512-BF16)."""
     if not cpu_has_avx512_bf16():
         return None
-    return _build("tokenfleet_cpu_kernels", "cpu_kernels.cpp", ["-mavx512f", "-mavx512bf16"])
+    return _build("tokenfleet_cpu_kernels", ["cpu_kernels.cpp", "cpu_attention_kernels.cpp"],
+                  ["-mavx512f", "-mavx512bf16"])
 
 
 @functools.cache
@@ -66,7 +69,7 @@ def quant_cpu_kernels():
     if not cpu_has(QUANT_CPU_FLAGS):
         log.warning("quantized CPU kernels need AVX2, FMA and F16C; using the torch path")
         return None
-    return _build("tokenfleet_quant_cpu_kernels", "quant_cpu_kernels.cpp", ["-mavx2", "-mfma", "-mf16c"])
+    return _build("tokenfleet_quant_cpu_kernels", ["quant_cpu_kernels.cpp"], ["-mavx2", "-mfma", "-mf16c"])
 
 
 @functools.cache
@@ -75,5 +78,16 @@ def quant_vnni_kernels():
     needs AVX512-VNNI: Intel since Cascade Lake, AMD since Zen 4)."""
     if not cpu_has(QUANT_VNNI_FLAGS):
         return None
-    return _build("tokenfleet_quant_vnni_kernels", "quant_vnni_kernels.cpp",
+    return _build("tokenfleet_quant_vnni_kernels", ["quant_vnni_kernels.cpp"],
                   ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512dq"])
+
+
+@functools.cache
+def quant_amx_kernels():
+    """`quant_amx_kernels.cpp` (int8 / int4 products for tens of rows on AMX) as a module, or None (it needs AMX:
+    Intel since Sapphire Rapids, and Linux's leave to use it)."""
+    if not cpu_has(QUANT_AMX_FLAGS):
+        return None
+    module = _build("tokenfleet_quant_amx_kernels", ["quant_amx_kernels.cpp"],
+                    ["-mamx-tile", "-mamx-bf16", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"])
+    return module if module is not None and module.amx_usable() else None

@@ -1,19 +1,9 @@
 // CPU kernels for bf16 serving (AVX512-BF16), each checked against its torch reference in
 // tests/engine/test_cpu_kernels.py. All are memory-bound; they exist because the torch path moves the
 // same bytes several times (gathers, upcasts, one pass per element-wise op).
-#include <torch/extension.h>
-#include <immintrin.h>
-#include <algorithm>
-#include <cmath>
-#include <cstring>
 #include <vector>
 
-static inline uint16_t to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  u += 0x7FFF + ((u >> 16) & 1);  // round to nearest even
-  return static_cast<uint16_t>(u >> 16);
-}
+#include "cpu_kernels.h"
 
 // y[1, N] = x[1, K] @ w[N, K]^T with fp32 accumulation. Batch-1 decode is one such product per weight;
 // oneDNN's bf16 path reaches about 60% of the read bandwidth on it. Each OpenMP thread takes one
@@ -43,171 +33,6 @@ torch::Tensor gemv_bf16(const torch::Tensor& x, const torch::Tensor& w) {
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < N; n++) yp[n] = row_dot_bf16(xp, wp + n * K, K);
   return y;
-}
-
-// exp for 16 lanes: 2^n * p(r) with x = n ln2 + r, |r| <= ln2/2, p a degree-6 Taylor polynomial
-// (relative error < 2e-7, below the bf16 output's resolution). std::exp per score dominated the kernel.
-static inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
-  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693147181f), x);
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
-
-// Softmax of s[0, L) in place, in fp32.
-static inline void softmax_inplace(float* s, int64_t L) {
-  const float mx = *std::max_element(s, s + L);
-  const __m512 vmx = _mm512_set1_ps(mx);
-  __m512 vsum = _mm512_setzero_ps();
-  int64_t t = 0;
-  for (; t + 16 <= L; t += 16) {
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + t), vmx));
-    _mm512_storeu_ps(s + t, e);
-    vsum = _mm512_add_ps(vsum, e);
-  }
-  float sum = _mm512_reduce_add_ps(vsum);
-  for (; t < L; t++) sum += (s[t] = std::exp(s[t] - mx));
-  const __m512 inv = _mm512_set1_ps(1.0f / sum);
-  t = 0;
-  for (; t + 16 <= L; t += 16) _mm512_storeu_ps(s + t, _mm512_mul_ps(_mm512_loadu_ps(s + t), inv));
-  for (; t < L; t++) s[t] *= 1.0f / sum;
-}
-
-static inline float bf16_to_float(uint16_t h) {
-  const uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-static inline __m512 load_bf16x16_from(__m256i raw) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
-static inline __m512 load_bf16x16(const uint16_t* p) {
-  return load_bf16x16_from(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
-// Tokens ahead to prefetch: each token's key (or value) row lies in a scattered block, where the
-// hardware prefetcher loses the stream; prefetching both 64-byte lines of a row halved the kernel's time.
-constexpr int64_t kPrefetchAhead = 16;
-
-// Decode attention straight from the paged cache: one query token per sequence, H query heads sharing
-// KVH key/value heads. For each (sequence, KV head) it reads that head's keys and values block by block
-// through the block table, once for all query heads of its group, with an exact (two-pass) softmax in
-// fp32. The torch path first gathers every context into a padded copy, then attends over the copy.
-// q: [B, H, D]; caches: [blocks, KVH, block_size, D]; block_tables: [B, max_blocks]; context_lens: [B].
-torch::Tensor paged_decode_attention_bf16(const torch::Tensor& q, const torch::Tensor& k_cache,
-                                          const torch::Tensor& v_cache, const torch::Tensor& block_tables,
-                                          const torch::Tensor& context_lens, double scale) {
-  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous inputs");
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t KVH = k_cache.size(1), block_size = k_cache.size(2), G = H / KVH;
-  TORCH_CHECK(D % 32 == 0 && H % KVH == 0, "head_dim % 32 == 0 and whole query groups");
-  auto tables = block_tables.to(torch::kInt64).contiguous();
-  auto lens = context_lens.to(torch::kInt64).contiguous();
-  auto out = torch::empty_like(q);
-  const auto* qp = static_cast<const uint16_t*>(q.data_ptr());
-  const auto* kp = static_cast<const uint16_t*>(k_cache.data_ptr());
-  const auto* vp = static_cast<const uint16_t*>(v_cache.data_ptr());
-  auto* op = static_cast<uint16_t*>(out.data_ptr());
-  const int64_t* tp = tables.data_ptr<int64_t>();
-  const int64_t* lp = lens.data_ptr<int64_t>();
-  const int64_t max_blocks = tables.size(1);
-#pragma omp parallel
-  {
-    std::vector<float> scores, acc;
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < B * KVH; task++) {
-      const int64_t b = task / KVH, kvh = task % KVH, L = lp[b];
-      scores.resize(G * L);
-      acc.resize(G * D);
-      const uint16_t* qb = qp + (b * H + kvh * G) * D;
-      // Offset of token t's row for this KV head: a block holds each head's block_size rows contiguously.
-      const auto row = [&](int64_t t) {
-        return ((tp[b * max_blocks + t / block_size] * KVH + kvh) * block_size + t % block_size) * D;
-      };
-      for (int64_t t = 0; t < L; t++) {
-        const uint16_t* key = kp + row(t);
-        if (t + kPrefetchAhead < L) {  // blocks are scattered: fetch ahead of the hardware prefetcher
-          const uint16_t* ahead = kp + row(t + kPrefetchAhead);
-          for (int64_t d = 0; d < D; d += 32) _mm_prefetch(reinterpret_cast<const char*>(ahead + d), _MM_HINT_T0);
-        }
-        for (int64_t g = 0; g < G; g++) {
-          __m512 dot = _mm512_setzero_ps();
-          for (int64_t d = 0; d < D; d += 32)
-            dot = _mm512_dpbf16_ps(dot, (__m512bh)_mm512_loadu_si512(qb + g * D + d),
-                                   (__m512bh)_mm512_loadu_si512(key + d));
-          scores[g * L + t] = _mm512_reduce_add_ps(dot) * static_cast<float>(scale);
-        }
-      }
-      for (int64_t g = 0; g < G; g++) softmax_inplace(scores.data() + g * L, L);
-      // Values: 64 columns at a time, converted once per token, accumulated in registers for 4 heads.
-      for (int64_t g0 = 0; g0 < G; g0 += 4) {
-        const int64_t gn = std::min<int64_t>(4, G - g0);
-        for (int64_t d0 = 0; d0 < D; d0 += 64) {
-          const int64_t cn = std::min<int64_t>(4, (D - d0) / 16);
-          __m512 a[4][4];
-          for (int64_t g = 0; g < 4; g++)
-            for (int64_t c = 0; c < 4; c++) a[g][c] = _mm512_setzero_ps();
-          for (int64_t t = 0; t < L; t++) {
-            const uint16_t* value = vp + row(t) + d0;
-            if (t + kPrefetchAhead < L) {
-              const uint16_t* ahead = vp + row(t + kPrefetchAhead) + d0;
-              for (int64_t d = 0; d < 16 * cn; d += 32) _mm_prefetch(reinterpret_cast<const char*>(ahead + d), _MM_HINT_T0);
-            }
-            __m512 v[4];
-            for (int64_t c = 0; c < cn; c++) v[c] = load_bf16x16(value + 16 * c);
-            for (int64_t g = 0; g < gn; g++) {
-              const __m512 p = _mm512_set1_ps(scores[(g0 + g) * L + t]);
-              for (int64_t c = 0; c < cn; c++) a[g][c] = _mm512_fmadd_ps(p, v[c], a[g][c]);
-            }
-          }
-          for (int64_t g = 0; g < gn; g++)
-            for (int64_t c = 0; c < cn; c++) _mm512_storeu_ps(acc.data() + (g0 + g) * D + d0 + 16 * c, a[g][c]);
-        }
-      }
-      for (int64_t g = 0; g < G; g++)
-        for (int64_t d = 0; d < D; d++) op[(b * H + kvh * G + g) * D + d] = to_bf16(acc[g * D + d]);
-    }
-  }
-  return out;
-}
-
-// cache[slot_blocks[t], :, slot_offsets[t]] = rows[t] for k and v: what the reference's two index_put
-// calls do, in one call without the advanced-indexing overhead (it was ~5% of a batch-1 decode step).
-// k and v may be column slices of the fused qkv output: only each token's [KVH, D] must be contiguous.
-void write_kv_bf16(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_cache, torch::Tensor& v_cache,
-                   const torch::Tensor& slot_blocks, const torch::Tensor& slot_offsets) {
-  const int64_t T = k.size(0), KVH = k.size(1), D = k.size(2), block_size = k_cache.size(2);
-  TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == D && v.stride(2) == 1 && v.stride(1) == D, "rows [KVH, D] contiguous");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.size(1) == KVH, "cache [blocks, KVH, bs, D]");
-  const int64_t* bp = slot_blocks.data_ptr<int64_t>();
-  const int64_t* op = slot_offsets.data_ptr<int64_t>();
-  const auto* kp = static_cast<const uint16_t*>(k.data_ptr());
-  const auto* vp = static_cast<const uint16_t*>(v.data_ptr());
-  auto* kc = static_cast<uint16_t*>(k_cache.data_ptr());
-  auto* vc = static_cast<uint16_t*>(v_cache.data_ptr());
-  for (int64_t t = 0; t < T; t++)
-    for (int64_t h = 0; h < KVH; h++) {
-      const int64_t dst = ((bp[t] * KVH + h) * block_size + op[t]) * D;
-      std::memcpy(kc + dst, kp + t * k.stride(0) + h * D, D * 2);
-      std::memcpy(vc + dst, vp + t * v.stride(0) + h * D, D * 2);
-    }
-}
-
-static inline __m256i to_bf16x16(__m512 v) {  // round to nearest even, as to_bf16
-  __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb));
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16));
 }
 
 // out[T, I] = bf16(silu(gate)) * up for x = [gate | up] of shape [T, 2I], rounding as torch does in
@@ -343,4 +168,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv_bf16", &gemv_bf16);
   m.def("paged_decode_attention_bf16", &paged_decode_attention_bf16);
   m.def("write_kv_bf16", &write_kv_bf16);
+  m.def("paged_decode_attention_int8", &paged_decode_attention_int8);
+  m.def("write_kv_int8", &write_kv_int8);
 }

@@ -166,41 +166,11 @@ void check_x(const torch::Tensor& x, int64_t K) {
               "x must be [M, K] with 1 <= M <= ", kMaxRows, " and K = ", K, ", got ", x.sizes());
 }
 
-void check_scales(const torch::Tensor& s, at::IntArrayRef shape, const char* name) {
-  TORCH_CHECK(s.device().is_cpu() && (s.scalar_type() == at::kFloat || s.scalar_type() == at::kBFloat16),
-              name, " must be a float32 or bfloat16 CPU tensor");
-  TORCH_CHECK(s.sizes() == shape, name, " must be ", shape, ", got ", s.sizes());
-}
 
 
-// Dequantization of one run of a row to bf16 (n % 32 == 0). With AVX512-BF16 (Sapphire Rapids, Zen 4) the
-// hardware rounds sixteen floats at a time; plain loops, which the compiler vectorized poorly, dequantized
-// ~4 G weights/s on 2 cores, slower than the matmul they feed. Chosen once at start-up by the CPU's flags.
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
-void int8_run_avx512(const int8_t* q, float scale, uint16_t* d, int64_t n) {
-  const __m512 s = _mm512_set1_ps(scale);
-  for (int64_t k = 0; k < n; k += 16) {
-    const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k))));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + k), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_mul_ps(f, s))));
-  }
-}
 
-// Sixteen bytes hold 32 inputs, input 2i in the low nibble of byte i: the low nibbles' bf16 values go to the low
-// half of each 32-bit lane, the high nibbles' to the top half, which is the inputs' order in memory.
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
-void int4_run_avx512(const uint8_t* p, float scale, float offset, uint16_t* d, int64_t n) {
-  const __m512 s = _mm512_set1_ps(scale), o = _mm512_set1_ps(offset);
-  const __m512i mask = _mm512_set1_epi32(0xF);
-  for (int64_t k = 0; k < n; k += 32) {
-    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + k / 2)));
-    const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(bytes, mask)), s, o);
-    const __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), s, o);
-    const __m512i lo16 = _mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(lo)));
-    const __m512i hi16 = _mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(hi)));
-    _mm512_storeu_si512(d + k, _mm512_or_si512(lo16, _mm512_slli_epi32(hi16, 16)));
-  }
-}
-
+// Plain loops for CPUs without AVX512-BF16 (quant_common.h has the fast ones); the compiler vectorized them
+// poorly (~4 G weights/s on 2 cores, slower than the matmul they feed). Chosen once at start-up.
 void int8_run_plain(const int8_t* q, float scale, uint16_t* d, int64_t n) {
   for (int64_t k = 0; k < n; k++) d[k] = to_bf16_finite(static_cast<float>(q[k]) * scale);
 }
@@ -277,54 +247,15 @@ torch::Tensor tiled_dequant_mm(const torch::Tensor& x, int64_t N, int64_t K, F&&
   return x.scalar_type() == at::kBFloat16 ? y : y.to(x.scalar_type());
 }
 
-// Calls body(S*) with the scales' element type and returns what it returns.
-template <typename F>
-auto dispatch_scale(const torch::Tensor& scale, F&& body) {
-  return scale.scalar_type() == at::kBFloat16 ? body(scale.data_ptr<at::BFloat16>()) : body(scale.data_ptr<float>());
-}
-
-// The group size that `scale` [N, groups] implies for K inputs.
-int64_t group_of(const torch::Tensor& scale, int64_t N, int64_t K, int64_t multiple) {
-  TORCH_CHECK(scale.dim() == 2 && scale.size(0) == N && scale.size(1) >= 1 && K % scale.size(1) == 0,
-              "scale must be [N, groups] with N = ", N, " and groups dividing K = ", K, ", got ", scale.sizes());
-  const int64_t G = K / scale.size(1);
-  TORCH_CHECK(G % multiple == 0, "the group size K / groups = ", G, " must be a multiple of ", multiple);
-  return G;
-}
-
-const int8_t* int8_data(const torch::Tensor& q) {
-  TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kChar && q.dim() == 2 && q.is_contiguous(),
-              "q must be a contiguous int8 [N, K] CPU tensor");
-  return q.data_ptr<int8_t>();
-}
-
-// An int4 weight's arguments, checked: the packed nibbles, [N, K] with groups of G, scale and offset [N, K / G].
-struct Int4Weight {
-  const uint8_t* packed;
-  int64_t N, K, G;
-  torch::Tensor scale, offset;
-};
-
-Int4Weight int4_weight(const torch::Tensor& packed, const torch::Tensor& scale, const torch::Tensor& offset) {
-  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte && packed.dim() == 2 &&
-                  packed.is_contiguous(), "packed must be a contiguous uint8 [N, K / 2] CPU tensor");
-  check_scales(scale, scale.sizes(), "scale");
-  check_scales(offset, scale.sizes(), "offset");
-  TORCH_CHECK(scale.scalar_type() == offset.scalar_type(), "scale and offset must have one dtype");
-  const int64_t N = packed.size(0), K = packed.size(1) * 2;
-  return {packed.data_ptr<uint8_t>(), N, K, group_of(scale, N, K, 32), scale.contiguous(), offset.contiguous()};
-}
-
 }  // namespace
 
 // y [M, N] = x [M, K] @ (q * scale).T for M <= 8 (decode): scale [N, groups], one group of K per channel.
 torch::Tensor int8_gemv(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale) {
-  const int8_t* qp = int8_data(q);
-  const int64_t N = q.size(0), K = q.size(1);
-  check_scales(scale, scale.sizes(), "scale");
-  const int64_t G = group_of(scale, N, K, 32);
+  const Int8Weight w = int8_weight(q, scale);
+  const int8_t* qp = w.q;
+  const int64_t N = w.N, K = w.K, G = w.G;
   check_x(x, K);
-  const auto sc = scale.contiguous();
+  const auto& sc = w.scale;
   std::vector<float> x_buffer;
   const float* xp = x_as_fp32(x, x_buffer);
   auto y = torch::empty({x.size(0), N}, x.options());
@@ -366,13 +297,11 @@ torch::Tensor int4_gemv(const torch::Tensor& x, const torch::Tensor& packed, con
 
 // The same products for any M (prefill chunks, large batches), through dequantized bf16 tiles.
 torch::Tensor int8_dequant_mm(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale) {
-  const int8_t* qp = int8_data(q);
-  const int64_t N = q.size(0), K = q.size(1);
-  check_scales(scale, scale.sizes(), "scale");
-  const int64_t G = group_of(scale, N, K, 32);
+  const Int8Weight w = int8_weight(q, scale);
+  const int8_t* qp = w.q;
+  const int64_t N = w.N, K = w.K, G = w.G;
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x must be [M, ", K, "], got ", x.sizes());
-  const auto sc = scale.contiguous();
-  return dispatch_scale(sc, [&](auto* sp) {
+  return dispatch_scale(w.scale, [&](auto* sp) {
     return tiled_dequant_mm(x, N, K, [&](uint16_t* out, int64_t a, int64_t b) {
       int8_dequant_rows(qp, sp, out, K, G, a, b);
     });

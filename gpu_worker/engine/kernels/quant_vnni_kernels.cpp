@@ -256,12 +256,8 @@ void rows(const QuantizedX& x, const Chunk& chunk, const S* scale, const S* offs
   }
 }
 
-int64_t checked_group(const torch::Tensor& scale, int64_t N, int64_t K) {
-  TORCH_CHECK(scale.device().is_cpu() && (scale.scalar_type() == at::kFloat || scale.scalar_type() == at::kBFloat16),
-              "scale must be a float32 or bfloat16 CPU tensor");
-  TORCH_CHECK(scale.dim() == 2 && scale.size(0) == N && scale.size(1) >= 1 && K % scale.size(1) == 0,
-              "scale must be [N, groups] with N = ", N, " and groups dividing K = ", K, ", got ", scale.sizes());
-  const int64_t G = K / scale.size(1);
+// The VNNI loops take a chunk of 64 inputs within one group, or two groups of 32.
+int64_t chunk_group(int64_t G) {
   TORCH_CHECK(G == 32 || G % 64 == 0, "the group size K / groups = ", G, " must be 32 or a multiple of 64");
   return G;
 }
@@ -277,15 +273,12 @@ void check_x(const torch::Tensor& x, int64_t K) {
 
 // y [M, N] = x [M, K] @ (q * scale).T, x quantized per run of 32; scale [N, groups].
 torch::Tensor int8_gemv_a8(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale) {
-  TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kChar && q.dim() == 2 && q.is_contiguous(),
-              "q must be a contiguous int8 [N, K] CPU tensor");
-  const int64_t N = q.size(0), K = q.size(1);
-  TORCH_CHECK(K % 32 == 0, "K = ", K, " must be a multiple of 32");
-  const int64_t G = checked_group(scale, N, K);
+  const Int8Weight w = int8_weight(q, scale);
+  const int64_t N = w.N, K = w.K, G = chunk_group(w.G);
   check_x(x, K);
-  const auto sc = scale.contiguous();
+  const auto& sc = w.scale;
   const QuantizedX xq = quantize_x(x, G, true);
-  const int8_t* qp = q.data_ptr<int8_t>();
+  const int8_t* qp = w.q;
   auto y = torch::empty({x.size(0), N}, x.options());
   dispatch_types(sc, y, [&](auto* sp, auto* yp) {
     parallel_rows(N, K, [&](int64_t n0, int64_t n1) {
@@ -298,17 +291,12 @@ torch::Tensor int8_gemv_a8(const torch::Tensor& x, const torch::Tensor& q, const
 // y [M, N] = x [M, K] @ (q * scale + offset).T, q the nibbles of packed, scale/offset [N, K / G].
 torch::Tensor int4_gemv_a8(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
                            const torch::Tensor& offset) {
-  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte && packed.dim() == 2 &&
-                  packed.is_contiguous(), "packed must be a contiguous uint8 [N, K / 2] CPU tensor");
-  const int64_t N = packed.size(0), K = packed.size(1) * 2;
-  TORCH_CHECK(K % 32 == 0, "K = ", K, " must be a multiple of 32");
-  const int64_t G = checked_group(scale, N, K);
-  TORCH_CHECK(offset.sizes() == scale.sizes() && offset.scalar_type() == scale.scalar_type(),
-              "offset must be like scale ", scale.sizes(), ", got ", offset.sizes());
+  const Int4Weight w = int4_weight(packed, scale, offset);
+  const int64_t N = w.N, K = w.K, G = chunk_group(w.G);
   check_x(x, K);
-  const auto sc = scale.contiguous(), oc = offset.contiguous();
+  const auto &sc = w.scale, &oc = w.offset;
   const QuantizedX xq = quantize_x(x, G, false);
-  const uint8_t* pp = packed.data_ptr<uint8_t>();
+  const uint8_t* pp = w.packed;
   auto y = torch::empty({x.size(0), N}, x.options());
   dispatch_types(sc, y, [&](auto* sp, auto* yp) {
     const auto* op = static_cast<decltype(sp)>(oc.data_ptr());

@@ -1,0 +1,83 @@
+// What the bf16 CPU kernels share (cpu_kernels.cpp, cpu_attention_kernels.cpp, built as one module):
+// bf16 conversions, a vectorized exp and softmax, and the attention kernels' declarations.
+#pragma once
+#include <torch/extension.h>
+#include <immintrin.h>
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+static inline uint16_t to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  u += 0x7FFF + ((u >> 16) & 1);  // round to nearest even
+  return static_cast<uint16_t>(u >> 16);
+}
+
+// exp for 16 lanes: 2^n * p(r) with x = n ln2 + r, |r| <= ln2/2, p a degree-6 Taylor polynomial
+// (relative error < 2e-7, below the bf16 output's resolution). std::exp per score dominated the kernel.
+static inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
+  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693147181f), x);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Softmax of s[0, L) in place, in fp32.
+static inline void softmax_inplace(float* s, int64_t L) {
+  const float mx = *std::max_element(s, s + L);
+  const __m512 vmx = _mm512_set1_ps(mx);
+  __m512 vsum = _mm512_setzero_ps();
+  int64_t t = 0;
+  for (; t + 16 <= L; t += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + t), vmx));
+    _mm512_storeu_ps(s + t, e);
+    vsum = _mm512_add_ps(vsum, e);
+  }
+  float sum = _mm512_reduce_add_ps(vsum);
+  for (; t < L; t++) sum += (s[t] = std::exp(s[t] - mx));
+  const __m512 inv = _mm512_set1_ps(1.0f / sum);
+  t = 0;
+  for (; t + 16 <= L; t += 16) _mm512_storeu_ps(s + t, _mm512_mul_ps(_mm512_loadu_ps(s + t), inv));
+  for (; t < L; t++) s[t] *= 1.0f / sum;
+}
+
+static inline float bf16_to_float(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+static inline __m512 load_bf16x16_from(__m256i raw) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+static inline __m512 load_bf16x16(const uint16_t* p) {
+  return load_bf16x16_from(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+static inline __m256i to_bf16x16(__m512 v) {  // round to nearest even, as to_bf16
+  __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16));
+}
+
+torch::Tensor paged_decode_attention_bf16(const torch::Tensor& q, const torch::Tensor& k_cache,
+                                          const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+                                          const torch::Tensor& context_lens, double scale);
+torch::Tensor paged_decode_attention_int8(const torch::Tensor& q, const torch::Tensor& kv_data,
+                                          const torch::Tensor& kv_scale, const torch::Tensor& block_tables,
+                                          const torch::Tensor& context_lens, double scale);
+void write_kv_bf16(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_cache, torch::Tensor& v_cache,
+                   const torch::Tensor& slot_blocks, const torch::Tensor& slot_offsets);
+void write_kv_int8(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& kv_data, torch::Tensor& kv_scale,
+                   const torch::Tensor& slot_blocks, const torch::Tensor& slot_offsets);
