@@ -17,8 +17,12 @@ echo "== exactness on cuda (float32 greedy == HF generate; logprobs; bf16 top-5 
 TOKENFLEET_TEST_DEVICE=cuda timeout 240 $PY -m pytest -q -p no:cacheprovider -o addopts="" \
     tests/engine/test_matches_hf.py 2>&1 | tail -n 4
 
-echo "== quantized linears on cuda: fp8 (_scaled_mm), int8 / int4 (dequantizing reference) vs bf16"
-timeout 120 $PY -m bench.quant_kernels --device cuda --rows 1,16,128 --rounds 5 2>&1 | tail -n 30
+echo "== Triton kernels on cuda against their references (w8a16 / w4a16 GEMM, paged decode over int8 KV)"
+timeout 120 $PY -m pytest -q -p no:cacheprovider -o addopts="" tests/engine/test_quant_triton.py \
+    tests/engine/test_triton_paged_attention.py 2>&1 | tail -n 4
+
+echo "== quantized linears on cuda: fp8 (_scaled_mm), int8 / int4 (Triton) vs bf16; decode attention bf16 / int8 KV"
+timeout 150 $PY -m bench.quant_kernels --device cuda --rows 1,16,128 --rounds 5 --attention 2>&1 | tail -n 36
 
 echo "== Llama-3-8B-shaped checkpoint (random bf16 weights)"
 timeout 180 $PY -m bench.make_checkpoint --shape llama3-8b --out /tmp/llama3-8b-random --device cuda

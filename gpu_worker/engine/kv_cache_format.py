@@ -16,6 +16,7 @@ from .attention import CpuPagedAttention, TorchPagedAttention, _gather, allocate
 from .errors import ModelLoadError
 from .kernels import cpu_kernels
 from .model import Transformer
+from .quantization.kernels import triton_available
 
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 
@@ -90,6 +91,17 @@ class CpuInt8PagedAttention(Int8PagedAttention):
                                                         self.scale)
 
 
+class TritonInt8PagedAttention(Int8PagedAttention):
+    """Decode attention on CUDA by `kernels/triton_paged_attention.py`, reading the int8 cache in place; writes
+    and prefill take the reference."""
+
+    def decode(self, q, kv_cache: Int8KVCache, meta) -> torch.Tensor:
+        from .kernels.triton_paged_attention import paged_decode
+
+        return paged_decode(q, kv_cache.data[0], kv_cache.data[1], meta.decode_block_tables,
+                            meta.decode_context_lens, self.scale, kv_cache.scale[0], kv_cache.scale[1])
+
+
 class Int8KVFormat:
     name = "int8"
 
@@ -107,12 +119,17 @@ class Int8KVFormat:
                 for _ in range(num_layers)]
 
     def install(self, model: Transformer, device: torch.device) -> None:
-        """The native CPU attention where it applies (bf16 on CPU), the torch reference elsewhere."""
+        """The native CPU attention where it applies (bf16 on CPU), Triton's on CUDA, the torch reference else."""
         kernels = cpu_kernels() if device.type == "cpu" and self.dtype == torch.bfloat16 else None
-        native = CpuPagedAttention.supports(kernels, self.dtype, device, model.config.head_dim)
+        head_dim = model.config.head_dim
         for layer in model.layers:
             scale = layer.self_attn.attn.scale
-            layer.self_attn.attn = CpuInt8PagedAttention(scale, kernels) if native else Int8PagedAttention(scale)
+            if CpuPagedAttention.supports(kernels, self.dtype, device, head_dim):
+                layer.self_attn.attn = CpuInt8PagedAttention(scale, kernels)
+            elif device.type == "cuda" and triton_available() and head_dim & (head_dim - 1) == 0:
+                layer.self_attn.attn = TritonInt8PagedAttention(scale)
+            else:
+                layer.self_attn.attn = Int8PagedAttention(scale)
 
 
 KVCacheFormat = DenseKVFormat | Int8KVFormat

@@ -1,10 +1,10 @@
 """Linear kernels for quantized weights, plugged in behind `Linear`'s kernel interface.
 
-`DequantLinearKernel` is the reference (and, until the Triton kernels land, the CUDA path): it dequantizes
-the weight and runs the dense matmul, so a quantized model in float32 computes exactly what a dense model
-holding the dequantized weights computes; float32 always takes it (the exactness tests' dtype, as for dense
-weights). In bfloat16 on CPU our native kernels read 1 or 0.5 bytes per weight where the bf16 path reads 2
-(decode at small batch is bound by those reads).
+`DequantLinearKernel` is the reference: it dequantizes the weight and runs the dense matmul, so a quantized
+model in float32 computes exactly what a dense model holding the dequantized weights computes; float32 always
+takes it (the exactness tests' dtype, as for dense weights). In bfloat16 on CPU our native kernels read 1 or 0.5
+bytes per weight where the bf16 path reads 2 (decode at small batch is bound by those reads); on CUDA, Triton's
+w8a16 / w4a16 GEMMs and FP8's `_scaled_mm`.
 """
 
 from __future__ import annotations
@@ -195,6 +195,66 @@ class CpuInt4LinearKernel(_NativeCpuKernel):
         return self.native.int4_dequant_mm(x, self.packed, self.scale, self.offset)
 
 
+@functools.cache
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _on_triton(dtype: torch.dtype, device: torch.device) -> bool:
+    """16-bit serving on CUDA with Triton installed (float32 keeps the reference, as on CPU)."""
+    return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and triton_available()
+
+
+class TritonInt8LinearKernel:
+    """w8a16 on CUDA by `triton_kernels.py`: the weight dequantized in registers, groups of 32 or more."""
+
+    copies_weight = False
+
+    def __init__(self, weight: Int8Weight, dtype: torch.dtype):
+        from . import triton_kernels
+
+        self.matmul = triton_kernels.int8_matmul
+        self.q = weight.q.contiguous()
+        self.scale = weight.group_scale.float().contiguous()
+
+    @staticmethod
+    def supports(weight: QuantizedWeight, dtype: torch.dtype, device: torch.device) -> bool:
+        return (isinstance(weight, Int8Weight) and _on_triton(dtype, device)
+                and (weight.shape[1] // weight.group_scale.shape[1]) % 32 == 0)
+
+    def __call__(self, x: torch.Tensor, _dense: None, bias: torch.Tensor | None) -> torch.Tensor:
+        y = self.matmul(x.reshape(-1, x.shape[-1]), self.q, self.scale).view(*x.shape[:-1], -1)
+        return y if bias is None else y + bias
+
+
+class TritonInt4LinearKernel:
+    """w4a16 on CUDA by `triton_kernels.py`; an act-order weight's inputs are permuted as they arrive."""
+
+    copies_weight = False
+
+    def __init__(self, weight: Int4Weight, dtype: torch.dtype):
+        from . import triton_kernels
+
+        self.matmul = triton_kernels.int4_matmul
+        self.input_perm = weight.input_perm
+        self.packed = weight.packed.contiguous()
+        self.scale, self.offset = weight.scale.float().contiguous(), weight.offset.float().contiguous()
+
+    @staticmethod
+    def supports(weight: QuantizedWeight, dtype: torch.dtype, device: torch.device) -> bool:
+        return isinstance(weight, Int4Weight) and _on_triton(dtype, device) and weight.group_size % 32 == 0
+
+    def __call__(self, x: torch.Tensor, _dense: None, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.input_perm is not None:
+            x = x.index_select(-1, self.input_perm)
+        y = self.matmul(x.reshape(-1, x.shape[-1]), self.packed, self.scale, self.offset).view(*x.shape[:-1], -1)
+        return y if bias is None else y + bias
+
+
 class CudaFp8LinearKernel:
     """`torch._scaled_mm` on FP8 tensor cores: activations quantized to e4m3 per token as they arrive, weights per
     output channel at load (row-wise scales need compute capability 9.0, H100/H200)."""
@@ -222,7 +282,8 @@ def quantized_linear_kernel(weight: QuantizedWeight, dtype: torch.dtype, device:
     """The fastest kernel this device has for `weight`; the reference where none applies. `shares_weight`: the
     weight is also the embedding table (a tied LM head), so only kernels that read it as it is may serve: one
     that re-lays it out would hold a second copy."""
-    for kernel in (OneDnnInt8LinearKernel, CpuInt8LinearKernel, CpuInt4LinearKernel, CudaFp8LinearKernel):
+    for kernel in (OneDnnInt8LinearKernel, CpuInt8LinearKernel, CpuInt4LinearKernel, CudaFp8LinearKernel,
+                   TritonInt8LinearKernel, TritonInt4LinearKernel):
         if kernel.supports(weight, dtype, device) and not (shares_weight and kernel.copies_weight):
             return kernel(weight, dtype)
     return DequantLinearKernel(weight)
