@@ -66,7 +66,7 @@ def attention(device: torch.device, rounds: int, batch: int = 32, context: int =
     """Decode attention of `batch` sequences of `context` tokens (Llama-3-8B's heads) over each cache format,
     through the kernels the engine installs on this device, against the bf16 reference's output."""
     from gpu_worker.engine.attention import AttentionMetadata, TorchPagedAttention
-    from gpu_worker.engine.kv_cache_format import DenseKVFormat, Int8KVFormat, quantize_per_row
+    from gpu_worker.engine.kv_cache_format import DenseKVFormat, ScaledKVFormat, quantize_per_row
 
     blocks_per_seq = context // block_size
     tables = torch.arange(batch * blocks_per_seq, device=device).view(batch, blocks_per_seq)
@@ -78,7 +78,7 @@ def attention(device: torch.device, rounds: int, batch: int = 32, context: int =
     q = torch.randn(batch, heads, head_dim, device=device, dtype=torch.bfloat16)
     reference = TorchPagedAttention(head_dim**-0.5).decode(q.float(), dense.float(), meta)
     out = []
-    for fmt in (DenseKVFormat(torch.bfloat16), Int8KVFormat(torch.bfloat16)):
+    for fmt in (DenseKVFormat(torch.bfloat16), ScaledKVFormat("int8", torch.bfloat16)):
         model = _OneLayer(head_dim, head_dim**-0.5)
         fmt.install(model, device)
         attn = model.layers[0].self_attn.attn

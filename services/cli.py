@@ -180,7 +180,7 @@ def _add_service_commands(sub) -> None:
     worker.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
     worker.add_argument("--quantization", default=None,
                         help="int8 / int4: quantize the weights at load time (a quantized checkpoint needs no flag)")
-    worker.add_argument("--kv-cache-dtype", default=None, help="auto (the serving dtype) or int8")
+    worker.add_argument("--kv-cache-dtype", default=None, help="auto (the serving dtype), int8, or fp8 (CUDA)")
     worker.add_argument("--tier", default=None, help="small / large: the tiers model=auto chooses between")
     worker.add_argument("--metrics-port", type=int, default=None)
     worker.set_defaults(func=_worker)
@@ -225,7 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     gen.add_argument("--device", default="cpu")
     gen.add_argument("--quantization", default=None, help="int8 / int4: quantize the weights at load time")
-    gen.add_argument("--kv-cache-dtype", default="auto", help="auto (the serving dtype) or int8")
+    gen.add_argument("--kv-cache-dtype", default="auto", help="auto (the serving dtype), int8, or fp8 (CUDA)")
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)

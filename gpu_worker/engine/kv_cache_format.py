@@ -1,9 +1,10 @@
-"""How the paged KV cache stores keys and values: in the serving dtype, or as int8 with a scale per token and
-head. Each format sizes a block, allocates the per-layer caches and installs the attention that reads them.
+"""How the paged KV cache stores keys and values: in the serving dtype, or as int8 / FP8 (e4m3, CUDA) with a
+scale per token and head. Each format sizes a block, allocates the per-layer caches and installs the attention
+that reads them.
 
-INT8 scales are per (token, KV head), computed when the token is written, as vLLM's int8 per-token-head KV
-does: a block never needs re-quantizing as it fills, and one outlier token costs only its own precision.
-With head_dim 64 a token-head takes 64 + 2 bytes instead of 128 in bf16: 1.94x the tokens in the same pool.
+Scales are per (token, KV head), computed when the token is written, as vLLM's int8 per-token-head KV does: a
+block never needs re-quantizing as it fills, and one outlier token costs only its own precision. With head_dim
+64 a token-head takes 64 + 2 bytes instead of 128 in bf16: 1.94x the tokens in the same pool.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from .errors import ModelLoadError
 from .kernels import cpu_kernels
 from .model import Transformer
 from .quantization.kernels import triton_available
+from .quantization.weights import FP8_MAX
 
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 
@@ -45,8 +47,9 @@ class DenseKVFormat:
 
 
 @dataclass
-class Int8KVCache:
-    """One layer's cache: int8 values [2, blocks, KVH, block_size, D] and their scales [2, blocks, KVH, block_size]."""
+class ScaledKVCache:
+    """One layer's cache: int8 or fp8 values [2, blocks, KVH, block_size, D], their scales [2, blocks, KVH,
+    block_size] in the serving dtype."""
 
     data: torch.Tensor
     scale: torch.Tensor
@@ -59,21 +62,32 @@ def quantize_per_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-class Int8PagedAttention(TorchPagedAttention):
-    """The torch reference over an int8 cache: quantize on write, dequantize what a step gathers."""
+def quantize_per_row_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> (float8_e4m3fn [..., D], scale [...] in x's dtype): each row's max |x| maps to e4m3's 448."""
+    scale = (x.float().abs().amax(dim=-1) / FP8_MAX).clamp(min=1e-8).to(x.dtype)
+    q = (x.float() / scale.float()[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale
 
-    def write_kv(self, k, v, kv_cache: Int8KVCache, meta) -> None:
+
+class ScaledPagedAttention(TorchPagedAttention):
+    """The torch reference over an int8 / fp8 cache: quantize on write, dequantize what a step gathers."""
+
+    def __init__(self, scale: float, quantize=quantize_per_row):
+        super().__init__(scale)
+        self.quantize = quantize
+
+    def write_kv(self, k, v, kv_cache: ScaledKVCache, meta) -> None:
         for i, x in enumerate((k, v)):
-            q, scale = quantize_per_row(x)
+            q, scale = self.quantize(x)
             kv_cache.data[i][meta.slot_blocks, :, meta.slot_offsets] = q
             kv_cache.scale[i][meta.slot_blocks, :, meta.slot_offsets] = scale
 
-    def gather(self, kv_cache: Int8KVCache, block_tables: torch.Tensor, length: int):
+    def gather(self, kv_cache: ScaledKVCache, block_tables: torch.Tensor, length: int):
         return tuple(_gather(kv_cache.data[i], block_tables, length).to(kv_cache.scale.dtype)
                      * _gather(kv_cache.scale[i][..., None], block_tables, length) for i in (0, 1))
 
 
-class CpuInt8PagedAttention(Int8PagedAttention):
+class CpuInt8PagedAttention(ScaledPagedAttention):
     """KV writes and decode attention by `kernels/cpu_attention_kernels.cpp` on the int8 cache itself (bf16 on
     CPU): keys and values dequantized in registers, where the reference gathers a dequantized copy of every
     context. Prefill over a cached context still takes the reference."""
@@ -82,64 +96,66 @@ class CpuInt8PagedAttention(Int8PagedAttention):
         super().__init__(scale)
         self.kernels = kernels
 
-    def write_kv(self, k, v, kv_cache: Int8KVCache, meta) -> None:
+    def write_kv(self, k, v, kv_cache: ScaledKVCache, meta) -> None:
         self.kernels.write_kv_int8(k, v, kv_cache.data, kv_cache.scale, meta.slot_blocks, meta.slot_offsets)
 
-    def decode(self, q, kv_cache: Int8KVCache, meta) -> torch.Tensor:
+    def decode(self, q, kv_cache: ScaledKVCache, meta) -> torch.Tensor:
         return self.kernels.paged_decode_attention_int8(q.contiguous(), kv_cache.data, kv_cache.scale,
                                                         meta.decode_block_tables, meta.decode_context_lens,
                                                         self.scale)
 
 
-class TritonInt8PagedAttention(Int8PagedAttention):
-    """Decode attention on CUDA by `kernels/triton_paged_attention.py`, reading the int8 cache in place; writes
-    and prefill take the reference."""
+class TritonScaledPagedAttention(ScaledPagedAttention):
+    """Decode attention on CUDA by `kernels/triton_paged_attention.py`, reading the int8 / fp8 cache in place;
+    writes and prefill take the reference."""
 
-    def decode(self, q, kv_cache: Int8KVCache, meta) -> torch.Tensor:
+    def decode(self, q, kv_cache: ScaledKVCache, meta) -> torch.Tensor:
         from .kernels.triton_paged_attention import paged_decode
 
         return paged_decode(q, kv_cache.data[0], kv_cache.data[1], meta.decode_block_tables,
                             meta.decode_context_lens, self.scale, kv_cache.scale[0], kv_cache.scale[1])
 
 
-class Int8KVFormat:
-    name = "int8"
+class ScaledKVFormat:
+    """Values at 8 bits with a scale per token and head: int8 (`kv_cache_dtype="int8"`, CPU and CUDA) or FP8 e4m3
+    (`"fp8"`, CUDA)."""
 
-    def __init__(self, dtype: torch.dtype):
+    def __init__(self, name: str, dtype: torch.dtype):
+        self.name = name
         self.dtype = dtype  # of the scales, and of what attention computes in
+        self.storage = torch.int8 if name == "int8" else torch.float8_e4m3fn
+        self.quantize = quantize_per_row if name == "int8" else quantize_per_row_fp8
 
     def bytes_per_block(self, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int) -> int:
         return 2 * num_layers * block_size * num_kv_heads * (head_dim + self.dtype.itemsize)
 
     def allocate(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  device: torch.device) -> list:
-        return [Int8KVCache(torch.zeros(2, num_blocks, num_kv_heads, block_size, head_dim, dtype=torch.int8,
-                                        device=device),
-                            torch.zeros(2, num_blocks, num_kv_heads, block_size, dtype=self.dtype, device=device))
+        return [ScaledKVCache(torch.zeros(2, num_blocks, num_kv_heads, block_size, head_dim, dtype=self.storage,
+                                          device=device),
+                              torch.zeros(2, num_blocks, num_kv_heads, block_size, dtype=self.dtype, device=device))
                 for _ in range(num_layers)]
 
     def install(self, model: Transformer, device: torch.device) -> None:
-        """The native CPU attention where it applies (bf16 on CPU), Triton's on CUDA, the torch reference else."""
+        """The native CPU attention where it applies (int8, bf16 on CPU), Triton's on CUDA, the reference else."""
         kernels = cpu_kernels() if device.type == "cpu" and self.dtype == torch.bfloat16 else None
         head_dim = model.config.head_dim
         for layer in model.layers:
             scale = layer.self_attn.attn.scale
-            if CpuPagedAttention.supports(kernels, self.dtype, device, head_dim):
+            if self.name == "int8" and CpuPagedAttention.supports(kernels, self.dtype, device, head_dim):
                 layer.self_attn.attn = CpuInt8PagedAttention(scale, kernels)
             elif device.type == "cuda" and triton_available() and head_dim & (head_dim - 1) == 0:
-                layer.self_attn.attn = TritonInt8PagedAttention(scale)
+                layer.self_attn.attn = TritonScaledPagedAttention(scale, self.quantize)
             else:
-                layer.self_attn.attn = Int8PagedAttention(scale)
+                layer.self_attn.attn = ScaledPagedAttention(scale, self.quantize)
 
 
-KVCacheFormat = DenseKVFormat | Int8KVFormat
+KVCacheFormat = DenseKVFormat | ScaledKVFormat
 
 
 def kv_cache_format(name: str, dtype: torch.dtype, device: torch.device) -> KVCacheFormat:
     if name not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {name!r}")
-    if name == "fp8":
-        if device.type != "cuda":
-            raise ModelLoadError("an fp8 KV cache needs a CUDA GPU; on CPU use kv_cache_dtype='int8'")
-        raise ModelLoadError("the fp8 KV cache is not implemented yet; use kv_cache_dtype='int8'")
-    return Int8KVFormat(dtype) if name == "int8" else DenseKVFormat(dtype)
+    if name == "fp8" and device.type != "cuda":
+        raise ModelLoadError("an fp8 KV cache needs a CUDA GPU; on CPU use kv_cache_dtype='int8'")
+    return DenseKVFormat(dtype) if name == "auto" else ScaledKVFormat(name, dtype)

@@ -12,10 +12,11 @@ from gpu_worker.engine.errors import ModelLoadError
 from gpu_worker.engine.kernels import cpu_has_avx512_bf16, cpu_kernels
 from gpu_worker.engine.kv_cache_format import (
     CpuInt8PagedAttention,
-    Int8KVCache,
-    Int8KVFormat,
-    Int8PagedAttention,
+    ScaledKVCache,
+    ScaledKVFormat,
+    ScaledPagedAttention,
     quantize_per_row,
+    quantize_per_row_fp8,
 )
 from tests.paged_metadata import decode_metadata
 
@@ -31,6 +32,16 @@ def test_per_row_quantization_is_within_half_a_step():
     q, scale = quantize_per_row(x)
     assert q.dtype == torch.int8 and scale.shape == (7, 3)
     assert bool(((q.float() * scale[..., None] - x).abs() <= scale[..., None] / 2 + 1e-6).all())
+
+
+def test_fp8_per_row_quantization_keeps_e4m3_precision():
+    # e4m3 keeps 3 bits of mantissa: each value within 2^-4 of itself, relative to the row's scale at the bottom.
+    x = torch.randn(7, 3, 64) * torch.logspace(-2, 2, 7)[:, None, None]
+    q, scale = quantize_per_row_fp8(x)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (7, 3)
+    back = q.float() * scale[..., None]
+    assert bool(((back - x).abs() <= 2 ** -4 * x.abs() + scale[..., None] * 2 ** -6).all())
+    assert torch.allclose(back.abs().amax(-1), x.abs().amax(-1), rtol=2 ** -4)  # each row's max maps to 448
 
 
 def test_an_int8_pool_holds_more_than_1_9x_the_tokens_of_a_bf16_one(make_checkpoint):
@@ -58,8 +69,8 @@ def test_int8_cache_scores_prompts_as_the_dense_cache_does_within_its_rounding(m
 
 def test_decoding_with_prefix_caching_and_preemption_runs_on_an_int8_cache(make_checkpoint):
     model = str(make_checkpoint("llama", **HEAD_DIM_64))
-    llm = LLM(model, dtype="float32", kv_cache_dtype="int8", kv_cache_memory_bytes=Int8KVFormat(
-        torch.float32).bytes_per_block(2, 16, 2, 64) * 12, max_model_len=128, max_num_batched_tokens=32)
+    llm = LLM(model, dtype="float32", kv_cache_dtype="int8", kv_cache_memory_bytes=ScaledKVFormat(
+        "int8", torch.float32).bytes_per_block(2, 16, 2, 64) * 12, max_model_len=128, max_num_batched_tokens=32)
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, n=2)
     first = llm.generate(PROMPTS, params)
     again = llm.generate(PROMPTS, params)  # prompts' blocks now come from the prefix cache
@@ -78,8 +89,9 @@ def test_unknown_kv_cache_dtype_is_refused(make_checkpoint):
         LLM(str(make_checkpoint("llama")), kv_cache_dtype="int4")
 
 
-def _int8_cache(num_blocks: int, kv_heads: int, block_size: int, head_dim: int) -> Int8KVCache:
-    return Int8KVFormat(torch.bfloat16).allocate(1, num_blocks, block_size, kv_heads, head_dim, torch.device("cpu"))[0]
+def _int8_cache(num_blocks: int, kv_heads: int, block_size: int, head_dim: int) -> ScaledKVCache:
+    fmt = ScaledKVFormat("int8", torch.bfloat16)
+    return fmt.allocate(1, num_blocks, block_size, kv_heads, head_dim, torch.device("cpu"))[0]
 
 
 @needs_avx512_bf16
@@ -93,7 +105,7 @@ def test_native_int8_write_stores_the_references_values_and_scales_from_a_fused_
     slots = torch.randperm(num_blocks * block_size)[:tokens]
     meta = AttentionMetadata(slots // block_size, slots % block_size, block_size, [], None, None, [])
     caches = [_int8_cache(num_blocks, kv_heads, block_size, head_dim) for _ in range(2)]
-    Int8PagedAttention(1.0).write_kv(k, v, caches[0], meta)
+    ScaledPagedAttention(1.0).write_kv(k, v, caches[0], meta)
     CpuInt8PagedAttention(1.0, cpu_kernels()).write_kv(k, v, caches[1], meta)
     assert torch.equal(caches[0].data, caches[1].data) and torch.equal(caches[0].scale, caches[1].scale)
     assert caches[1].scale.count_nonzero() == 2 * tokens * kv_heads
@@ -111,7 +123,7 @@ def test_native_int8_decode_attention_matches_the_dequantizing_reference(heads, 
     q = torch.randn(len(context_lens), heads, head_dim, dtype=torch.bfloat16)
     meta = decode_metadata(context_lens, num_blocks, block_size)
     scale = head_dim**-0.5
-    want = Int8PagedAttention(scale).decode(q.float(), Int8KVCache(cache.data, cache.scale.float()), meta)
+    want = ScaledPagedAttention(scale).decode(q.float(), ScaledKVCache(cache.data, cache.scale.float()), meta)
     got = CpuInt8PagedAttention(scale, cpu_kernels()).decode(q, cache, meta)
     assert got.dtype == torch.bfloat16
     assert ((got.float() - want).abs() <= 1e-2 * want.abs() + 1e-2 * want.abs().max()).all()
@@ -125,7 +137,7 @@ def test_bf16_serving_reads_the_int8_cache_natively_and_scores_as_the_reference_
     assert isinstance(native.engine.runner.model.layers[0].self_attn.attn, CpuInt8PagedAttention)
     reference = LLM(model, dtype="bfloat16", kv_cache_dtype="int8")
     for layer in reference.engine.runner.model.layers:
-        layer.self_attn.attn = Int8PagedAttention(layer.self_attn.attn.scale)
+        layer.self_attn.attn = ScaledPagedAttention(layer.self_attn.attn.scale)
     got, want = native.generate(PROMPTS, params), reference.generate(PROMPTS, params)
     same = sum(a == b for o, r in zip(got, want, strict=True) for a, b in zip(o.token_ids, r.token_ids, strict=True))
     assert same >= 0.9 * sum(len(o.token_ids) for o in want)  # bf16 near-ties may flip a token, no more

@@ -1,5 +1,5 @@
 """Triton paged decode attention (gpu_worker/engine/kernels/triton_paged_attention.py) against the gathering
-references, over a dense and an int8 cache: on CUDA when there is one, else in Triton's interpreter on CPU (fp32
+references, over a dense, an int8 and an FP8 cache: on CUDA when there is one, else in Triton's interpreter on CPU (fp32
 and fp16; it is wrong in bf16)."""
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ pytest.importorskip("triton", reason="Triton is not installed")
 from gpu_worker.engine.attention import TorchPagedAttention  # noqa: E402
 from gpu_worker.engine.kernels.triton_paged_attention import paged_decode  # noqa: E402
 from gpu_worker.engine.kv_cache_format import (  # noqa: E402
-    Int8KVCache,
-    Int8PagedAttention,
-    TritonInt8PagedAttention,
+    ScaledKVCache,
+    ScaledPagedAttention,
+    TritonScaledPagedAttention,
 )
 from tests.paged_metadata import decode_metadata  # noqa: E402
 
@@ -51,20 +51,24 @@ def test_triton_decode_over_a_dense_cache_matches_the_reference(heads, kv_heads,
     _assert_close(got, want, dtype)
 
 
+@pytest.mark.parametrize("storage", [torch.int8, torch.float8_e4m3fn])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), SHAPES)
-def test_triton_decode_reads_an_int8_cache_as_the_dequantizing_reference_does(heads, kv_heads, head_dim, dtype):
+def test_triton_decode_reads_an_8_bit_cache_as_the_dequantizing_reference_does(heads, kv_heads, head_dim, dtype,
+                                                                                storage):
     torch.manual_seed(heads + 1)
-    data = torch.randint(-127, 128, (2, NUM_BLOCKS, kv_heads, BLOCK_SIZE, head_dim), dtype=torch.int8)
+    shape = (2, NUM_BLOCKS, kv_heads, BLOCK_SIZE, head_dim)
+    data = (torch.randint(-127, 128, shape, dtype=torch.int8) if storage == torch.int8
+            else (torch.randn(shape) * 100).clamp(-448, 448).to(storage))
     scales = (torch.rand(2, NUM_BLOCKS, kv_heads, BLOCK_SIZE) * 0.05 + 1e-3).to(dtype)
     q = torch.randn(len(CONTEXTS), heads, head_dim).to(dtype)
     meta = decode_metadata(CONTEXTS, NUM_BLOCKS, BLOCK_SIZE)
     scale = head_dim**-0.5
-    want = Int8PagedAttention(scale).decode(q.float(), Int8KVCache(data, scales.float()), meta)
-    cache = Int8KVCache(data.to(DEVICE), scales.to(DEVICE))
+    want = ScaledPagedAttention(scale).decode(q.float(), ScaledKVCache(data, scales.float()), meta)
+    cache = ScaledKVCache(data.to(DEVICE), scales.to(DEVICE))
     meta = dataclasses.replace(meta, decode_block_tables=meta.decode_block_tables.to(DEVICE),
                                decode_context_lens=meta.decode_context_lens.to(DEVICE))
-    got = TritonInt8PagedAttention(scale).decode(q.to(DEVICE), cache, meta)
+    got = TritonScaledPagedAttention(scale).decode(q.to(DEVICE), cache, meta)
     _assert_close(got, want, dtype)
 
 

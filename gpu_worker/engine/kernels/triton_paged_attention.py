@@ -1,10 +1,10 @@
-"""Paged decode attention in Triton, straight from the block table, over a dense or an int8 KV cache.
+"""Paged decode attention in Triton, straight from the block table, over a dense or an int8 / FP8 KV cache.
 
 One program per (sequence, KV head): it reads that head's keys and values block by block through the sequence's
-block table, once for all the query heads of its group (GQA), with an online softmax in fp32. With an int8
-cache (`Int8KVCache`: values [2, blocks, KVH, block_size, D], a scale per token and head) each key and value is
+block table, once for all the query heads of its group (GQA), with an online softmax in fp32. With an 8-bit
+cache (`ScaledKVCache`: values [2, blocks, KVH, block_size, D], a scale per token and head) each key and value is
 dequantized in registers, so the context is read at one byte a value and never copied; the references are
-`TorchPagedAttention.decode` / `Int8PagedAttention.decode`, which gather the whole context first. Tested in
+`TorchPagedAttention.decode` / `ScaledPagedAttention.decode`, which gather the whole context first. Tested in
 tests/engine/test_triton_paged_attention.py (CUDA, or Triton's interpreter on CPU in fp32 / fp16). Imported only
 where a CUDA attention is built.
 """
@@ -36,8 +36,8 @@ def _paged_decode(q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, tables_ptr, len
         block = tl.load(tables_ptr + b * stride_table + i)
         valid = i * BLOCK_SIZE + rt < length
         rows = (block * KVH + h) * BLOCK_SIZE + rt  # this head's rows of the block
-        k = tl.load(k_ptr + rows[:, None] * D + rd[None, :], mask=valid[:, None], other=0).to(tl.float32)
-        v = tl.load(v_ptr + rows[:, None] * D + rd[None, :], mask=valid[:, None], other=0).to(tl.float32)
+        k = tl.load(k_ptr + rows[:, None] * D + rd[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + rows[:, None] * D + rd[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
         if QUANTIZED:
             k = k * tl.load(k_scale_ptr + rows, mask=valid, other=0.0).to(tl.float32)[:, None]
             v = v * tl.load(v_scale_ptr + rows, mask=valid, other=0.0).to(tl.float32)[:, None]
