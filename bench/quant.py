@@ -178,8 +178,8 @@ def format_table(r: dict) -> str:
         q, s = r["quality"], r["settings"]
         base = q["bf16"]
         lines += [f"quality: perplexity on {s['windows']} windows x {s['window_len']} tokens, greedy agreement "
-                  f"with bf16 on {s['prompts']} prompts x {s['new_tokens']} tokens",
-                  "; decode rows: every forward at most 4 tokens (the decode-step kernels), on "
+                  f"with bf16 on {s['prompts']} prompts x {s['new_tokens']} tokens; decode rows: every forward at "
+                  "most 4 tokens (the decode-step kernels), on "
                   f"{base['decode_rows']['windows']} windows",
                   "", "| mode | weight bytes | × bf16 | perplexity | Δ ppl | teacher-forced agreement | free-running "
                   "agreement | first divergence (median) | tasks | decode rows: Δ ppl | teacher-forced | KV tokens "
