@@ -15,9 +15,8 @@ import torch
 
 from .attention import CpuPagedAttention, TorchPagedAttention, _gather, allocate_kv_cache
 from .errors import ModelLoadError
-from .kernels import cpu_kernels
+from .kernels import cpu_kernels, triton_available
 from .model import Transformer
-from .quantization.kernels import triton_available
 from .quantization.weights import FP8_MAX
 
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
@@ -109,10 +108,14 @@ class TritonScaledPagedAttention(ScaledPagedAttention):
     """Decode attention on CUDA by `kernels/triton_paged_attention.py`, reading the int8 / fp8 cache in place;
     writes and prefill take the reference."""
 
-    def decode(self, q, kv_cache: ScaledKVCache, meta) -> torch.Tensor:
+    def __init__(self, scale: float, quantize=quantize_per_row):
         from .kernels.triton_paged_attention import paged_decode
 
-        return paged_decode(q, kv_cache.data[0], kv_cache.data[1], meta.decode_block_tables,
+        super().__init__(scale, quantize)
+        self.paged_decode = paged_decode
+
+    def decode(self, q, kv_cache: ScaledKVCache, meta) -> torch.Tensor:
+        return self.paged_decode(q, kv_cache.data[0], kv_cache.data[1], meta.decode_block_tables,
                             meta.decode_context_lens, self.scale, kv_cache.scale[0], kv_cache.scale[1])
 
 

@@ -18,7 +18,7 @@ from gpu_worker.engine.kv_cache_format import (
     quantize_per_row,
     quantize_per_row_fp8,
 )
-from tests.paged_metadata import decode_metadata
+from tests.kernel_inputs import decode_metadata
 
 needs_avx512_bf16 = pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="the native kernels need AVX512-BF16")
 

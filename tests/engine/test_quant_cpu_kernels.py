@@ -8,6 +8,7 @@ import torch
 
 from gpu_worker.engine.kernels import QUANT_CPU_FLAGS, cpu_has, quant_cpu_kernels
 from gpu_worker.engine.quantization.weights import Int8Weight, quantize_int4, quantize_int8
+from tests.kernel_inputs import seeded_weight
 
 # Skipped only where the CPU lacks the instructions: a failed build fails these tests.
 pytestmark = pytest.mark.skipif(not cpu_has(QUANT_CPU_FLAGS), reason="the quantized CPU kernels need AVX2 + FMA + F16C")
@@ -15,11 +16,6 @@ pytestmark = pytest.mark.skipif(not cpu_has(QUANT_CPU_FLAGS), reason="the quanti
 # (N, K): one row, odd row counts, the smallest K, SmolLM2-135M's projections, a 32000 x 256 LM head.
 SHAPES = [(1, 32), (7, 64), (1000, 576), (17, 1536), (32000, 256)]
 GROUP_SIZES = [32, 64, 128, 256]
-
-
-def _weight(n: int, k: int) -> torch.Tensor:
-    torch.manual_seed(n * 7919 + k)
-    return torch.randn(n, k) * 0.05
 
 
 def _x(m: int, k: int) -> torch.Tensor:
@@ -51,7 +47,7 @@ def _int4_gemv(x, weight):
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
 @pytest.mark.parametrize(("n", "k"), SHAPES)
 def test_int8_matches_the_dequantized_matmul(n, k, m, dtype):
-    weight = quantize_int8(_weight(n, k))
+    weight = quantize_int8(seeded_weight(n, k))
     x = _x(m, k).to(dtype)
     _assert_matches(_int8_gemv(x, weight), x, weight.dequantize())
 
@@ -69,7 +65,7 @@ def test_int8_with_a_scale_per_group_of_32_matches_the_dequantized_matmul(m):
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
 @pytest.mark.parametrize(("n", "k", "group_size"), [(n, k, g) for n, k in SHAPES for g in GROUP_SIZES if k % g == 0])
 def test_int4_matches_the_dequantized_matmul(n, k, group_size, m, dtype):
-    weight = quantize_int4(_weight(n, k), group_size)
+    weight = quantize_int4(seeded_weight(n, k), group_size)
     x = _x(m, k).to(dtype)
     _assert_matches(_int4_gemv(x, weight), x, weight.dequantize())
 
@@ -86,7 +82,7 @@ def _assert_matches_bf16_tiles(got: torch.Tensor, x: torch.Tensor, w: torch.Tens
 @pytest.mark.parametrize("m", [5, 64, 300])
 @pytest.mark.parametrize(("n", "k"), [(7, 64), (1000, 576), (17, 1536), (32000, 256)])
 def test_many_rows_match_the_dequantized_matmul(n, k, m):
-    w = _weight(n, k)
+    w = seeded_weight(n, k)
     x = _x(m, k).bfloat16()
     int8, int4 = quantize_int8(w), quantize_int4(w, 32)
     kernels = quant_cpu_kernels()
@@ -96,7 +92,7 @@ def test_many_rows_match_the_dequantized_matmul(n, k, m):
 
 
 def test_up_to_eight_rows_and_bf16_scales():
-    weight8, weight4 = quantize_int8(_weight(33, 256)), quantize_int4(_weight(33, 256), 64)
+    weight8, weight4 = quantize_int8(seeded_weight(33, 256)), quantize_int4(seeded_weight(33, 256), 64)
     x = _x(8, 256)
     # Our quantizers make scales and offsets bf16-exact, so their bf16 copies are the same weight in half the bytes.
     got = quant_cpu_kernels().int8_gemv(x, weight8.q, weight8.group_scale.bfloat16())
@@ -109,7 +105,7 @@ def test_bf16_output_is_the_fp32_output_rounded_as_torch_rounds():
     # The same bf16-exact x in either dtype: the fp32 sums are identical, so the bf16 outputs must be torch's
     # rounding of the fp32 ones, bit for bit. The first rows' outputs are the scales themselves: two ties
     # (to even: down, then up), a negative tie and a subnormal.
-    weight = quantize_int8(_weight(64, 64))
+    weight = quantize_int8(seeded_weight(64, 64))
     weight.q[:4] = 0
     weight.q[:4, 0] = 1
     weight.scale[:4] = torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -8), 2.0 ** -130])
@@ -118,13 +114,13 @@ def test_bf16_output_is_the_fp32_output_rounded_as_torch_rounds():
     got = _int8_gemv(x, weight)
     assert torch.equal(got, _int8_gemv(x.float(), weight).bfloat16())
     assert got[0, :4].tolist() == [1.0, 1 + 2 ** -6, -1.0, torch.tensor(2.0 ** -130).bfloat16().item()]
-    weight4 = quantize_int4(_weight(64, 64), 32)
+    weight4 = quantize_int4(seeded_weight(64, 64), 32)
     assert torch.equal(_int4_gemv(x, weight4), _int4_gemv(x.float(), weight4).bfloat16())
 
 
 def test_bad_shapes_are_errors():
     kernels = quant_cpu_kernels()
-    weight8 = quantize_int8(_weight(8, 64))
+    weight8 = quantize_int8(seeded_weight(8, 64))
     scale8 = weight8.group_scale
     with pytest.raises(RuntimeError, match="multiple of 32"):
         kernels.int8_gemv(torch.randn(1, 48), weight8.q[:, :48].contiguous(), scale8)
@@ -136,7 +132,7 @@ def test_bad_shapes_are_errors():
         kernels.int8_gemv(torch.randn(1, 64), weight8.q, scale8[:7])
     with pytest.raises(RuntimeError, match="x must be"):
         kernels.int8_dequant_mm(torch.randn(20, 32), weight8.q, scale8)
-    weight4 = quantize_int4(_weight(8, 64), 32)
+    weight4 = quantize_int4(seeded_weight(8, 64), 32)
     with pytest.raises(RuntimeError, match="multiple of 32"):
         kernels.int4_gemv(torch.randn(1, 64), weight4.packed, weight4.scale[:, :1].repeat(1, 4),
                           weight4.offset[:, :1].repeat(1, 4))  # groups of 16

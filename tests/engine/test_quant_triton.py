@@ -15,17 +15,13 @@ pytest.importorskip("triton", reason="Triton is not installed")
 
 from gpu_worker.engine.quantization.triton_kernels import int4_matmul, int8_matmul  # noqa: E402
 from gpu_worker.engine.quantization.weights import Int8Weight, quantize_int4, quantize_int8  # noqa: E402
+from tests.kernel_inputs import seeded_weight  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = [torch.float32, torch.float16, *([torch.bfloat16] if DEVICE.type == "cuda" else [])]
 # (N, K): less than one tile of weight rows, several tiles with a ragged last one, K of one block and of many.
 SHAPES = [(7, 32), (96, 256), (130, 128)]
 ROWS = [1, 5, 17, 40]
-
-
-def _weight(n: int, k: int) -> torch.Tensor:
-    torch.manual_seed(n * 7919 + k)
-    return torch.randn(n, k) * 0.05
 
 
 def _assert_matches(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
@@ -43,7 +39,7 @@ def _assert_matches(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None
 @pytest.mark.parametrize("m", ROWS)
 @pytest.mark.parametrize(("n", "k"), SHAPES)
 def test_triton_int8_per_channel_matches_the_dequantized_matmul(n, k, m, dtype):
-    weight = quantize_int8(_weight(n, k))
+    weight = quantize_int8(seeded_weight(n, k))
     x = torch.randn(m, k).to(dtype)
     got = int8_matmul(x.to(DEVICE), weight.q.to(DEVICE), weight.group_scale.float().contiguous().to(DEVICE))
     _assert_matches(got, x, weight.dequantize())
@@ -63,7 +59,7 @@ def test_triton_int8_with_a_scale_per_group_of_32_matches_the_dequantized_matmul
 @pytest.mark.parametrize("m", ROWS)
 @pytest.mark.parametrize(("n", "k", "group_size"), [(n, k, g) for n, k in SHAPES for g in (32, 64, 128) if k % g == 0])
 def test_triton_int4_matches_the_dequantized_matmul(n, k, group_size, m, dtype):
-    weight = quantize_int4(_weight(n, k), group_size)
+    weight = quantize_int4(seeded_weight(n, k), group_size)
     x = torch.randn(m, k).to(dtype)
     got = int4_matmul(x.to(DEVICE), weight.packed.to(DEVICE), weight.scale.float().contiguous().to(DEVICE),
                       weight.offset.float().contiguous().to(DEVICE))
@@ -78,7 +74,7 @@ def test_cuda_serving_takes_the_triton_kernels():
         quantized_linear_kernel,
     )
 
-    w = _weight(96, 256)
+    w = seeded_weight(96, 256)
     assert isinstance(quantized_linear_kernel(quantize_int8(w).to(DEVICE), torch.bfloat16, DEVICE),
                       TritonInt8LinearKernel)
     assert isinstance(quantized_linear_kernel(quantize_int4(w, 64).to(DEVICE), torch.float16, DEVICE),

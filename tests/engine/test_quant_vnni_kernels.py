@@ -8,17 +8,13 @@ import torch
 
 from gpu_worker.engine.kernels import QUANT_VNNI_FLAGS, cpu_has, quant_vnni_kernels
 from gpu_worker.engine.quantization.weights import Int8Weight, quantize_int4, quantize_int8
+from tests.kernel_inputs import seeded_weight
 
 # Skipped only where the CPU lacks the instructions: a failed build fails these tests.
 pytestmark = pytest.mark.skipif(not cpu_has(QUANT_VNNI_FLAGS), reason="the int8-activation kernels need AVX512-VNNI")
 
 # (N, K): K of one run, of one chunk and a half (zero padding), SmolLM2-135M's projections, a 32000-row LM head.
 SHAPES = [(5, 32), (33, 96), (1000, 576), (17, 1536), (32000, 256)]
-
-
-def _weight(n: int, k: int) -> torch.Tensor:
-    torch.manual_seed(n * 7919 + k)
-    return torch.randn(n, k) * 0.05
 
 
 def _quantized_x(x: torch.Tensor) -> torch.Tensor:
@@ -54,7 +50,7 @@ def _int4(x, weight):
 @pytest.mark.parametrize("m", [1, 2, 3, 8])
 @pytest.mark.parametrize(("n", "k"), [s for s in SHAPES if s[1] % 64 == 0 or s[1] == 32])
 def test_int8_per_channel_is_the_product_with_x_quantized_per_run_of_32(n, k, m, dtype):
-    weight = quantize_int8(_weight(n, k))
+    weight = quantize_int8(seeded_weight(n, k))
     x = torch.randn(m, k).to(dtype)
     _assert_is_product_with_quantized_x(_int8(x, weight), x, weight.dequantize())
 
@@ -75,7 +71,7 @@ def test_int8_with_a_scale_per_group_of_32_is_the_product_with_quantized_x(n, k,
 @pytest.mark.parametrize(("n", "k", "group_size"),
                          [(n, k, g) for n, k in SHAPES for g in (32, 64, 128) if k % g == 0])
 def test_int4_is_the_product_with_x_quantized_per_run_of_32(n, k, group_size, m, dtype):
-    weight = quantize_int4(_weight(n, k), group_size)
+    weight = quantize_int4(seeded_weight(n, k), group_size)
     x = torch.randn(m, k).to(dtype)
     _assert_is_product_with_quantized_x(_int4(x, weight), x, weight.dequantize())
 
@@ -83,7 +79,7 @@ def test_int4_is_the_product_with_x_quantized_per_run_of_32(n, k, group_size, m,
 @pytest.mark.parametrize("m", [9, 17, 40])
 def test_many_rows_take_groups_of_eight_and_the_rest(m):
     # A decode batch: rows in groups of 8 against each pass of weight rows, the last group shorter.
-    weight8, weight4 = quantize_int8(_weight(1000, 576)), quantize_int4(_weight(1000, 576), 32)
+    weight8, weight4 = quantize_int8(seeded_weight(1000, 576)), quantize_int4(seeded_weight(1000, 576), 32)
     x = torch.randn(m, 576).bfloat16()
     _assert_is_product_with_quantized_x(_int8(x, weight8), x, weight8.dequantize())
     _assert_is_product_with_quantized_x(_int4(x, weight4), x, weight4.dequantize())
@@ -91,7 +87,7 @@ def test_many_rows_take_groups_of_eight_and_the_rest(m):
 
 def test_quantizing_x_per_run_costs_about_half_a_percent():
     # The run scales bound each input's error by half a step of its run's max / 127.
-    weight = quantize_int4(_weight(1000, 576), 64)
+    weight = quantize_int4(seeded_weight(1000, 576), 64)
     x = torch.randn(4, 576)
     exact = x @ weight.dequantize().T
     rel = ((_int4(x, weight) - exact).norm() / exact.norm()).item()
@@ -99,7 +95,7 @@ def test_quantizing_x_per_run_costs_about_half_a_percent():
 
 
 def test_zero_runs_of_x_give_zero_and_not_nan():
-    weight = quantize_int8(_weight(64, 128))
+    weight = quantize_int8(seeded_weight(64, 128))
     x = torch.zeros(2, 128)
     x[1, 64:] = torch.randn(64)
     got = _int8(x, weight)
@@ -108,18 +104,18 @@ def test_zero_runs_of_x_give_zero_and_not_nan():
 
 
 def test_bf16_output_is_the_fp32_output_rounded():
-    weight = quantize_int4(_weight(256, 576), 32)
+    weight = quantize_int4(seeded_weight(256, 576), 32)
     x = torch.randn(3, 576).bfloat16()
     assert torch.equal(_int4(x, weight), _int4(x.float(), weight).bfloat16())
 
 
 def test_bad_shapes_are_errors():
     kernels = quant_vnni_kernels()
-    weight = quantize_int8(_weight(8, 96))
+    weight = quantize_int8(seeded_weight(8, 96))
     with pytest.raises(RuntimeError, match="32 or a multiple of 64"):
         kernels.int8_gemv_a8(torch.randn(1, 96), weight.q, weight.group_scale)  # one group of 96
     with pytest.raises(RuntimeError, match="x must be"):
         kernels.int8_gemv_a8(torch.randn(2, 64), weight.q, weight.scale[:, None].repeat(1, 3))  # K mismatch
-    weight4 = quantize_int4(_weight(8, 64), 32)
+    weight4 = quantize_int4(seeded_weight(8, 64), 32)
     with pytest.raises(RuntimeError, match="offset must be"):
         kernels.int4_gemv_a8(torch.randn(1, 64), weight4.packed, weight4.scale, weight4.offset[:, :1])

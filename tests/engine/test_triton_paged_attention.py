@@ -21,7 +21,7 @@ from gpu_worker.engine.kv_cache_format import (  # noqa: E402
     ScaledPagedAttention,
     TritonScaledPagedAttention,
 )
-from tests.paged_metadata import decode_metadata  # noqa: E402
+from tests.kernel_inputs import decode_metadata  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = [torch.float32, torch.float16]

@@ -29,6 +29,16 @@ def cpu_has_avx512_bf16() -> bool:
     return "avx512_bf16" in cpu_flags()
 
 
+@functools.cache
+def triton_available() -> bool:
+    """Whether Triton imports here (the CUDA kernels' compiler; the CPU path never needs it)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 QUANT_CPU_FLAGS = frozenset({"avx2", "fma", "f16c"})
 QUANT_VNNI_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"})
 QUANT_AMX_FLAGS = frozenset({"amx_tile", "amx_bf16", "avx512_bf16", "avx512bw", "avx512vl"})

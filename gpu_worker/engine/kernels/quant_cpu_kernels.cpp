@@ -27,8 +27,6 @@
 
 namespace {
 
-constexpr int64_t kMaxRows = kMaxRowsAtOnce;
-
 // bf16 rounded to nearest even, for dequantized weights, which are finite (no NaN case: branch-free, so the
 // dequantization loops vectorize).
 inline uint16_t to_bf16_finite(float f) {
@@ -162,12 +160,9 @@ const float* x_as_fp32(const torch::Tensor& x, std::vector<float>& buffer) {
 void check_x(const torch::Tensor& x, int64_t K) {
   TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "x must be a float32 or bfloat16 CPU tensor");
-  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kMaxRows && x.size(1) == K,
-              "x must be [M, K] with 1 <= M <= ", kMaxRows, " and K = ", K, ", got ", x.sizes());
+  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kMaxRowsAtOnce && x.size(1) == K,
+              "x must be [M, K] with 1 <= M <= ", kMaxRowsAtOnce, " and K = ", K, ", got ", x.sizes());
 }
-
-
-
 
 // Plain loops for CPUs without AVX512-BF16 (quant_common.h has the fast ones); the compiler vectorized them
 // poorly (~4 G weights/s on 2 cores, slower than the matmul they feed). Chosen once at start-up.

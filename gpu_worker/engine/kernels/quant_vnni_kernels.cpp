@@ -30,7 +30,6 @@
 
 namespace {
 
-constexpr int64_t kRowGroup = kMaxRowsAtOnce;
 constexpr int64_t kPassBytes = 16 << 10;  // of weight rows taken against every group of x rows, from L1
 constexpr int64_t kChunk = 64;  // inputs per vpdpbusd
 
@@ -240,7 +239,7 @@ void row_group(const QuantizedX& x, const Chunk& chunk, const S* scale, const S*
 }
 
 // Weight rows [n0, n1) against all of x: a pass of weight rows (kPassBytes) at a time, read from memory for x's
-// first rows and from L1 for every further group of kRowGroup rows (a decode batch of 32 reads the weights
+// first rows and from L1 for every further group of kMaxRowsAtOnce rows (a decode batch of 32 reads the weights
 // once, as the bf16 path's oneDNN does).
 template <bool kSigned, typename S, typename Y, typename Chunk>
 void rows(const QuantizedX& x, const Chunk& chunk, const S* scale, const S* offset, Y* y, int64_t N, int64_t G,
@@ -248,8 +247,8 @@ void rows(const QuantizedX& x, const Chunk& chunk, const S* scale, const S* offs
   const int64_t pass = std::max<int64_t>(4, kPassBytes / chunk.row_bytes() / 4 * 4);
   for (int64_t p0 = n0; p0 < n1; p0 += pass) {
     const int64_t p1 = std::min(n1, p0 + pass);
-    for (int64_t m0 = 0; m0 < x.M; m0 += kRowGroup) {
-      dispatch_rows(std::min(kRowGroup, x.M - m0), [&](auto m) {
+    for (int64_t m0 = 0; m0 < x.M; m0 += kMaxRowsAtOnce) {
+      dispatch_rows(std::min(kMaxRowsAtOnce, x.M - m0), [&](auto m) {
         row_group<m(), kSigned>(x, chunk, scale, offset, y, N, G, m0, p0, p1);
       });
     }

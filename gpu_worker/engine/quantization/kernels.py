@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from ..kernels import quant_amx_kernels, quant_cpu_kernels, quant_vnni_kernels
+from ..kernels import quant_amx_kernels, quant_cpu_kernels, quant_vnni_kernels, triton_available
 from .weights import FP8_MAX, Fp8Weight, Int4Weight, Int8Weight, QuantizedWeight
 
 # Rows up to which the native GEMVs beat dequantized tiles (they stream the weight once for all of them, but
@@ -110,8 +110,12 @@ class _NativeCpuKernel:
     (`kernels/quant_cpu_kernels.cpp`), for more."""
 
     copies_weight = False
-    gemv_rows = GEMV_ROWS
-    amx_rows = 0  # none where the CPU has no AMX
+
+    def __init__(self, gemv: tuple[Callable, int]):
+        self.native = quant_cpu_kernels()
+        self._gemv, self.gemv_rows = gemv
+        self.amx_kernels = quant_amx_kernels()
+        self.amx_rows = AMX_ROWS if self.amx_kernels is not None else 0  # none where the CPU has no AMX
 
     def gemv(self, x: torch.Tensor) -> torch.Tensor: ...
 
@@ -143,10 +147,7 @@ class CpuInt8LinearKernel(_NativeCpuKernel):
     def __init__(self, weight: Int8Weight, dtype: torch.dtype):
         self.q = weight.q.contiguous()
         self.scale = exact_scales(weight.group_scale)
-        self.native = quant_cpu_kernels()
-        self._gemv, self.gemv_rows = few_row_gemvs(weight.shape[1] // self.scale.shape[1])[0]
-        self.amx_kernels = quant_amx_kernels()
-        self.amx_rows = AMX_ROWS if self.amx_kernels is not None else 0
+        super().__init__(few_row_gemvs(weight.shape[1] // self.scale.shape[1])[0])
 
     @staticmethod
     def supports(weight: QuantizedWeight, dtype: torch.dtype, device: torch.device) -> bool:
@@ -170,10 +171,7 @@ class CpuInt4LinearKernel(_NativeCpuKernel):
         self.input_perm = weight.input_perm
         self.packed = weight.packed.contiguous()
         self.scale, self.offset = exact_scales(weight.scale, weight.offset)
-        self.native = quant_cpu_kernels()
-        self._gemv, self.gemv_rows = few_row_gemvs(weight.group_size)[1]
-        self.amx_kernels = quant_amx_kernels()
-        self.amx_rows = AMX_ROWS if self.amx_kernels is not None else 0
+        super().__init__(few_row_gemvs(weight.group_size)[1])
 
     @staticmethod
     def supports(weight: QuantizedWeight, dtype: torch.dtype, device: torch.device) -> bool:
@@ -195,29 +193,32 @@ class CpuInt4LinearKernel(_NativeCpuKernel):
         return self.native.int4_dequant_mm(x, self.packed, self.scale, self.offset)
 
 
-@functools.cache
-def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def _on_triton(dtype: torch.dtype, device: torch.device) -> bool:
     """16-bit serving on CUDA with Triton installed (float32 keeps the reference, as on CPU)."""
     return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and triton_available()
 
 
-class TritonInt8LinearKernel:
-    """w8a16 on CUDA by `triton_kernels.py`: the weight dequantized in registers, groups of 32 or more."""
+class _TritonLinearKernel:
+    """w8a16 / w4a16 on CUDA by `triton_kernels.py`, the weight dequantized in registers (groups of 32 or more):
+    `matmul` of x as rows [M, K]; an act-order weight's inputs are permuted as they arrive."""
 
     copies_weight = False
+    input_perm: torch.Tensor | None = None
 
+    def matmul(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def __call__(self, x: torch.Tensor, _dense: None, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.input_perm is not None:
+            x = x.index_select(-1, self.input_perm)
+        y = self.matmul(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
+        return y if bias is None else y + bias
+
+
+class TritonInt8LinearKernel(_TritonLinearKernel):
     def __init__(self, weight: Int8Weight, dtype: torch.dtype):
         from . import triton_kernels
 
-        self.matmul = triton_kernels.int8_matmul
+        self.kernel = triton_kernels.int8_matmul
         self.q = weight.q.contiguous()
         self.scale = weight.group_scale.float().contiguous()
 
@@ -226,20 +227,15 @@ class TritonInt8LinearKernel:
         return (isinstance(weight, Int8Weight) and _on_triton(dtype, device)
                 and (weight.shape[1] // weight.group_scale.shape[1]) % 32 == 0)
 
-    def __call__(self, x: torch.Tensor, _dense: None, bias: torch.Tensor | None) -> torch.Tensor:
-        y = self.matmul(x.reshape(-1, x.shape[-1]), self.q, self.scale).view(*x.shape[:-1], -1)
-        return y if bias is None else y + bias
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernel(x, self.q, self.scale)
 
 
-class TritonInt4LinearKernel:
-    """w4a16 on CUDA by `triton_kernels.py`; an act-order weight's inputs are permuted as they arrive."""
-
-    copies_weight = False
-
+class TritonInt4LinearKernel(_TritonLinearKernel):
     def __init__(self, weight: Int4Weight, dtype: torch.dtype):
         from . import triton_kernels
 
-        self.matmul = triton_kernels.int4_matmul
+        self.kernel = triton_kernels.int4_matmul
         self.input_perm = weight.input_perm
         self.packed = weight.packed.contiguous()
         self.scale, self.offset = weight.scale.float().contiguous(), weight.offset.float().contiguous()
@@ -248,11 +244,8 @@ class TritonInt4LinearKernel:
     def supports(weight: QuantizedWeight, dtype: torch.dtype, device: torch.device) -> bool:
         return isinstance(weight, Int4Weight) and _on_triton(dtype, device) and weight.group_size % 32 == 0
 
-    def __call__(self, x: torch.Tensor, _dense: None, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.input_perm is not None:
-            x = x.index_select(-1, self.input_perm)
-        y = self.matmul(x.reshape(-1, x.shape[-1]), self.packed, self.scale, self.offset).view(*x.shape[:-1], -1)
-        return y if bias is None else y + bias
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernel(x, self.packed, self.scale, self.offset)
 
 
 class CudaFp8LinearKernel:

@@ -1,4 +1,4 @@
-"""Attention metadata for kernel tests: decode rows over shuffled block tables."""
+"""Inputs the kernel tests share: seeded weights, and decode rows over shuffled block tables."""
 
 from __future__ import annotations
 
@@ -20,3 +20,9 @@ def decode_metadata(context_lens: list[int], num_blocks: int, block_size: int) -
     padded = torch.tensor([t + [0] * (width - len(t)) for t in tables])
     no_tokens = torch.empty(0, dtype=torch.long)
     return AttentionMetadata(no_tokens, no_tokens, block_size, context_lens, padded, torch.tensor(context_lens), [])
+
+
+def seeded_weight(n: int, k: int) -> torch.Tensor:
+    """An [n, k] float32 weight, the same for the same shape in every test, of a trained layer's magnitude."""
+    torch.manual_seed(n * 7919 + k)
+    return torch.randn(n, k) * 0.05
