@@ -1,5 +1,6 @@
-"""Quantized linear kernels on one device: each against the dequantizing reference (max error) and bf16
-`F.linear` (time, and the weight bytes it streams per second), shapes of a Llama layer and LM head; with
+"""Quantized linear kernels on one device: each against the dequantizing reference (max error) and the engine's
+bf16 linear (time, and the weight bytes it streams per second; on CPU the prepacked oneDNN matmul where the CPU
+packs bf16), shapes of a Llama layer and LM head; with
 `--attention`, paged decode attention over a bf16 and an int8 KV cache (the bytes of context it reads per second).
 
     python -m bench.quant_kernels [--device cuda] [--rows 1,16,128] [--shapes 4096x4096,14336x4096] [--attention]
@@ -14,8 +15,8 @@ import statistics
 import time
 
 import torch
-import torch.nn.functional as F
 
+from gpu_worker.engine.linear import OneDnnPackedLinearKernel, TorchLinearKernel
 from gpu_worker.engine.quantization.kernels import DequantLinearKernel, quantized_linear_kernel
 from gpu_worker.engine.quantization.methods import WeightQuantizer
 
@@ -36,7 +37,8 @@ def run(device: torch.device, shapes: list[tuple[int, int]], rows: list[int], me
     for n, k in shapes:
         w = torch.randn(n, k, device=device) / k**0.5
         dense = w.to(torch.bfloat16)
-        kernels = {"bf16": (lambda x, d=dense: F.linear(x, d), dense.nbytes)}
+        bf16 = OneDnnPackedLinearKernel(dense) if OneDnnPackedLinearKernel.supports(dense) else TorchLinearKernel()
+        kernels = {"bf16": (lambda x, d=dense, kn=bf16: kn(x, d, None), dense.nbytes)}
         for method in methods:
             try:
                 weight = WeightQuantizer(method)(w)

@@ -95,7 +95,7 @@ def test_awq_weights_dequantize_to_the_packers_input():
     assert torch.equal(ours.dequantize(), quant_packers.dequantize_groupwise(q, scales, zeros, 64))
 
 
-@pytest.mark.parametrize("n,k,rows", [(64, 256, 1), (96, 512, 5), (32000, 128, 2), (48, 64, 33)])
+@pytest.mark.parametrize("n,k,rows", [(64, 256, 1), (96, 512, 5), (32000, 128, 2), (48, 64, 33), (40, 128, 130)])
 @pytest.mark.parametrize("kernel_type", [OneDnnInt8LinearKernel, CpuInt8LinearKernel, CpuInt4LinearKernel])
 def test_cpu_kernels_match_the_dequantizing_reference(n, k, rows, kernel_type):
     generator = torch.Generator().manual_seed(n + k)

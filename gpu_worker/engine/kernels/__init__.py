@@ -84,11 +84,11 @@ def quant_cpu_kernels():
 
 @functools.cache
 def quant_vnni_kernels():
-    """`quant_vnni_kernels.cpp` (few-row int8 / int4 products with int8 activations) as a module, or None (it
-    needs AVX512-VNNI: Intel since Cascade Lake, AMD since Zen 4)."""
+    """`quant_vnni_kernels.cpp` + `quant_vnni_gemm.cpp` (int8 / int4 products with int8 activations, for few rows
+    and for many) as one module, or None (it needs AVX512-VNNI: Intel since Cascade Lake, AMD since Zen 4)."""
     if not cpu_has(QUANT_VNNI_FLAGS):
         return None
-    return _build("tokenfleet_quant_vnni_kernels", ["quant_vnni_kernels.cpp"],
+    return _build("tokenfleet_quant_vnni_kernels", ["quant_vnni_kernels.cpp", "quant_vnni_gemm.cpp"],
                   ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512dq"])
 
 

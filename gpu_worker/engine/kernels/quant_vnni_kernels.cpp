@@ -27,76 +27,11 @@
 #include <vector>
 
 #include "quant_common.h"
+#include "quant_int8_activations.h"
 
 namespace {
 
 constexpr int64_t kPassBytes = 16 << 10;  // of weight rows taken against every group of x rows, from L1
-constexpr int64_t kChunk = 64;  // inputs per vpdpbusd
-
-// Sixteen consecutive values as floats, lanes past `count` zero.
-inline __m512 load16(const float* p, int64_t count) {
-  return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << std::min<int64_t>(count, 16)) - 1), p);
-}
-inline __m512 load16(const at::BFloat16* p, int64_t count) {
-  const __m256i bits = _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << std::min<int64_t>(count, 16)) - 1), p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-
-// x [M, K] quantized per run of 32 inputs, K padded with zeros to whole chunks of 64.
-struct QuantizedX {
-  int64_t M, K, chunks;
-  std::vector<int8_t> q;            // [M, chunks * 64]
-  std::vector<float> scale;         // [M, chunks, 16]: lanes 0-7 the chunk's first run's scale, 8-15 the second's
-  std::vector<int32_t> minus_bias;  // [M, chunks, 16]: -128 * the sum of each lane's four bytes of q (int8 only)
-  // [M, K / G]: the sums of quantized x over each weight group, for int4's offsets. Quantized, not exact: the
-  // product is then the weight times quantized x, as int8's is; exact sums left the error of sum(q * scale * x),
-  // a term larger than the result when offsets cancel it (~2% error where int8 had 0.5%).
-  std::vector<float> group_sum;
-};
-
-template <typename X>
-QuantizedX quantize_x(const X* xp, int64_t M, int64_t K, int64_t G, bool signed_weights) {
-  QuantizedX out;
-  out.M = M, out.K = K, out.chunks = (K + kChunk - 1) / kChunk;
-  const int64_t padded = out.chunks * kChunk, groups = K / G;
-  out.q.assign(M * padded, 0);
-  out.scale.assign(M * out.chunks * 16, 0.0f);
-  out.group_sum.assign(M * groups, 0.0f);
-  for (int64_t m = 0; m < M; m++) {
-    const X* row = xp + m * K;
-    for (int64_t b = 0; b < K / 32; b++) {
-      const __m512 v0 = load16(row + 32 * b, 16), v1 = load16(row + 32 * b + 16, 16);
-      const float peak = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-      const float s = peak / 127.0f, inv = peak > 0.0f ? 127.0f / peak : 0.0f;
-      const __m512 r = _mm512_set1_ps(inv);
-      int8_t* q = out.q.data() + m * padded + 32 * b;
-      const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, r)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, r));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(q0));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtsepi32_epi8(q1));
-      std::fill_n(out.scale.data() + (m * out.chunks + b / 2) * 16 + (b % 2) * 8, 8, s);
-      out.group_sum[m * groups + 32 * b / G] += s * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
-    }
-  }
-  if (signed_weights) {
-    out.minus_bias.resize(M * out.chunks * 16);
-    const __m512i u128 = _mm512_set1_epi8(static_cast<char>(0x80));  // 128 as vpdpbusd's unsigned operand
-    for (int64_t i = 0; i < M * out.chunks; i++) {
-      // What the flipped weights' +128 adds to each lane: 128 * the sum of its four bytes of q.
-      const __m512i q = _mm512_loadu_si512(out.q.data() + i * kChunk);
-      const __m512i bias = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u128, q);
-      _mm512_storeu_si512(out.minus_bias.data() + i * 16, _mm512_sub_epi32(_mm512_setzero_si512(), bias));
-    }
-  }
-  return out;
-}
-
-// x quantized, read as it is (bf16 or fp32): a conversion to fp32 first cost a torch op, ~2 us a call.
-QuantizedX quantize_x(const torch::Tensor& x, int64_t G, bool signed_weights) {
-  const auto xc = x.contiguous();
-  return xc.scalar_type() == at::kBFloat16
-             ? quantize_x(xc.data_ptr<at::BFloat16>(), x.size(0), x.size(1), G, signed_weights)
-             : quantize_x(xc.data_ptr<float>(), x.size(0), x.size(1), G, signed_weights);
-}
 
 // A weight row's chunk at input k as 64 unsigned bytes. int8: q + 128 (its top bit flipped); int4: the nibbles
 // in input order, each 16-bit lane's byte b widened to (b & 0xF) | (b >> 4) << 8. `tail`: only K - k < 64
@@ -255,19 +190,6 @@ void rows(const QuantizedX& x, const Chunk& chunk, const S* scale, const S* offs
   }
 }
 
-// The VNNI loops take a chunk of 64 inputs within one group, or two groups of 32.
-int64_t chunk_group(int64_t G) {
-  TORCH_CHECK(G == 32 || G % 64 == 0, "the group size K / groups = ", G, " must be 32 or a multiple of 64");
-  return G;
-}
-
-void check_x(const torch::Tensor& x, int64_t K) {
-  TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
-              "x must be a float32 or bfloat16 CPU tensor");
-  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(1) == K, "x must be [M, K] with M >= 1 and K = ", K,
-              ", got ", x.sizes());
-}
-
 }  // namespace
 
 // y [M, N] = x [M, K] @ (q * scale).T, x quantized per run of 32; scale [N, groups].
@@ -306,7 +228,14 @@ torch::Tensor int4_gemv_a8(const torch::Tensor& x, const torch::Tensor& packed, 
   return y;
 }
 
+// quant_vnni_gemm.cpp: the same products for many rows, where the CPU has no AMX.
+torch::Tensor int8_gemm_a8(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale);
+torch::Tensor int4_gemm_a8(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
+                           const torch::Tensor& offset);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_gemv_a8", &int8_gemv_a8, "y [M, N] = x [M, K] @ (q * scale).T, x as int8 per 32 inputs");
   m.def("int4_gemv_a8", &int4_gemv_a8, "y [M, N] = x [M, K] @ (q * scale + offset).T, x as int8 per 32");
+  m.def("int8_gemm_a8", &int8_gemm_a8, "int8_gemv_a8 for many rows: 16 weight rows a lane each, transposed once");
+  m.def("int4_gemm_a8", &int4_gemm_a8, "int4_gemv_a8 for many rows: 16 weight rows a lane each, transposed once");
 }

@@ -10,6 +10,7 @@ w8a16 / w4a16 GEMMs and FP8's `_scaled_mm`.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 
 import torch
@@ -21,7 +22,9 @@ from .weights import FP8_MAX, Fp8Weight, Int4Weight, Int8Weight, QuantizedWeight
 # Rows up to which the native GEMVs beat dequantized tiles (they stream the weight once for all of them, but
 # their arithmetic grows with the rows where oneDNN's AMX barely notices): the fp32 ones up to 4; the
 # int8-activation ones, measured on a Sapphire Rapids VM (SmolLM2's matrices, bf16 = 1): int8 1.8 at 8 rows
-# and 0.7-1.0 at 16 (tiles 0.8), int4 1.1-1.3 at 8 and 0.6-0.7 at 16 (tiles 0.8).
+# and 0.7-1.0 at 16 (tiles 0.8), int4 1.1-1.3 at 8 and 0.6-0.7 at 16 (tiles 0.8). Where the VNNI GEMM follows
+# instead of AMX, up to 4 (a Zen 5, against the prepacked bf16 matmul: at 4 rows GEMV int8 1.5-1.9, GEMM
+# 1.3-1.7; at 8 GEMV 0.6-0.9, GEMM 1.1-1.4).
 GEMV_ROWS = 4
 VNNI_INT8_ROWS = 12
 VNNI_INT4_ROWS = 8
@@ -98,6 +101,8 @@ def few_row_gemvs(group_size: int) -> tuple[tuple[Callable, int], tuple[Callable
     VNNI and they take the group size, else the fp32 ones (`kernels/quant_cpu_kernels.cpp`)."""
     vnni = quant_vnni_kernels()
     if vnni is not None and (group_size == 32 or group_size % 64 == 0):
+        if quant_amx_kernels() is None:  # the VNNI GEMM takes over from 5 rows
+            return (vnni.int8_gemv_a8, GEMV_ROWS), (vnni.int4_gemv_a8, GEMV_ROWS)
         return (vnni.int8_gemv_a8, VNNI_INT8_ROWS), (vnni.int4_gemv_a8, VNNI_INT4_ROWS)
     native = quant_cpu_kernels()
     return (native.int8_gemv, GEMV_ROWS), (native.int4_gemv, GEMV_ROWS)
@@ -105,21 +110,30 @@ def few_row_gemvs(group_size: int) -> tuple[tuple[Callable, int], tuple[Callable
 
 class _NativeCpuKernel:
     """Our kernels for x [M, K] bf16, by row count: `gemv`, streaming the weight once, for the few rows of a
-    decode step; `amx`, blocks of dequantized weight rows kept in cache, for a decode batch's tens of rows
-    where the CPU has AMX (`kernels/quant_amx_kernels.cpp`); `tiles`, dequantized bf16 tiles into oneDNN
-    (`kernels/quant_cpu_kernels.cpp`), for more."""
+    decode step; then, where the CPU has AMX, `amx` (blocks of dequantized weight rows kept in cache,
+    `kernels/quant_amx_kernels.cpp`) for a decode batch's tens of rows and `tiles` (dequantized bf16 tiles into
+    oneDNN, `kernels/quant_cpu_kernels.cpp`) for more; where it has VNNI and no AMX, `gemm` (int8 activations,
+    `kernels/quant_vnni_gemm.cpp`) for every larger row count: 1.0-1.4x the prepacked bf16 matmul from 8 to 512
+    rows on a Zen 5 (int4 0.9-1.3x), where the tiles ran 0.4-0.98x; else the tiles."""
 
     copies_weight = False
 
     def __init__(self, gemv: tuple[Callable, int]):
         self.native = quant_cpu_kernels()
         self._gemv, self.gemv_rows = gemv
-        self.amx_kernels = quant_amx_kernels()
-        self.amx_rows = AMX_ROWS if self.amx_kernels is not None else 0  # none where the CPU has no AMX
+        self.amx_kernels, self.vnni_kernels = quant_amx_kernels(), quant_vnni_kernels()
+        if self.amx_kernels is not None:
+            self.larger, self.larger_rows = self.amx, AMX_ROWS
+        elif self.vnni_kernels is not None:
+            self.larger, self.larger_rows = self.gemm, math.inf
+        else:
+            self.larger, self.larger_rows = self.tiles, math.inf
 
     def gemv(self, x: torch.Tensor) -> torch.Tensor: ...
 
     def amx(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def gemm(self, x: torch.Tensor) -> torch.Tensor: ...
 
     def tiles(self, x: torch.Tensor) -> torch.Tensor: ...
 
@@ -127,8 +141,8 @@ class _NativeCpuKernel:
         rows = x.shape[0]
         if rows <= self.gemv_rows:
             y = self.gemv(x.contiguous())
-        elif rows <= self.amx_rows:
-            y = self.amx(x)
+        elif rows <= self.larger_rows:
+            y = self.larger(x)
         else:
             y = self.tiles(x)
         return y if bias is None else y + bias
@@ -160,6 +174,9 @@ class CpuInt8LinearKernel(_NativeCpuKernel):
     def amx(self, x: torch.Tensor) -> torch.Tensor:
         return self.amx_kernels.int8_amx_mm(x, self.q, self.scale)
 
+    def gemm(self, x: torch.Tensor) -> torch.Tensor:
+        return self.vnni_kernels.int8_gemm_a8(x, self.q, self.scale)
+
     def tiles(self, x: torch.Tensor) -> torch.Tensor:
         return self.native.int8_dequant_mm(x, self.q, self.scale)
 
@@ -188,6 +205,9 @@ class CpuInt4LinearKernel(_NativeCpuKernel):
 
     def amx(self, x: torch.Tensor) -> torch.Tensor:
         return self.amx_kernels.int4_amx_mm(x, self.packed, self.scale, self.offset)
+
+    def gemm(self, x: torch.Tensor) -> torch.Tensor:
+        return self.vnni_kernels.int4_gemm_a8(x, self.packed, self.scale, self.offset)
 
     def tiles(self, x: torch.Tensor) -> torch.Tensor:
         return self.native.int4_dequant_mm(x, self.packed, self.scale, self.offset)
