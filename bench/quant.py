@@ -6,7 +6,8 @@ interleaved in rounds (each round runs every mode once, back to back), reported 
 with its spread; with `--peer llamacpp`, llama.cpp's q8_0 and q4_0 of the same checkpoint take part in each
 round too. Modes: int8 / w8a8 / int4 quantized at load time (round to nearest, groups of 128 or the largest that
 divides a layer's inputs), int4-awq (-g32) written by `tokenfleet quantize` (activation-aware scales, groups
-of 128 or 32) and served with no flag; gguf: a GGUF model's own file, its Q8_0 / Q4_0 / Q4_1 matrices served as
+of 128 or 32) and served with no flag, int4-awq-g32-table4 the same with an int4 embedding table (a tied one
+stays int8 otherwise); gguf: a GGUF model's own file, its Q8_0 / Q4_0 / Q4_1 matrices served as
 int8 / int4 (the other modes then start from a dense bf16 copy of the file's weights); kv-int8: bf16 weights with
 an int8 KV cache (its token capacity against bf16's in the same pool is reported with the quality figures).
 """
@@ -29,7 +30,7 @@ from .quality_tasks import agreement, load_tasks, perplexity
 from .report import publish
 from .workloads import batch1, mixed
 
-MODES = ("bf16", "int8", "w8a8", "int4", "int4-awq", "int4-awq-g32", "gguf", "kv-int8")
+MODES = ("bf16", "int8", "w8a8", "int4", "int4-awq", "int4-awq-g32", "int4-awq-g32-table4", "gguf", "kv-int8")
 PEER_TYPES = {"int8": "q8_0", "int4": "q4_0", "gguf": "q4_1"}  # llama.cpp's nearest formats
 DECODE_ROWS_WINDOWS = 4  # of the held-out windows, for the decode-rows perplexity (a forward per 4 tokens)
 FORMAT_VERSION = 2  # of `tokenfleet quantize`'s files: int4 offsets since version 2 (zeros before)
@@ -42,7 +43,8 @@ def mode_configuration(mode: str, model: str) -> Configuration:
     if mode == "kv-int8":
         return Configuration(dense, "bfloat16", kv_cache_dtype="int8")  # bf16 weights, int8 keys and values
     if mode.startswith("int4-awq"):
-        return Configuration(str(converted(dense, "int4", 32 if mode.endswith("g32") else 128)), "bfloat16")
+        table = "int4" if mode.endswith("-table4") else None
+        return Configuration(str(converted(dense, "int4", 32 if "-g32" in mode else 128, table)), "bfloat16")
     return Configuration(dense, "bfloat16", quantization=None if mode == "bf16" else mode)
 
 
@@ -54,14 +56,15 @@ def dense_checkpoint(model: str) -> str:
     return str(converted(model, "bf16", 0)) if checkpoint_path(model).suffix == ".gguf" else model
 
 
-def converted(model: str, method: str, group_size: int) -> Path:
+def converted(model: str, method: str, group_size: int, table: str | None = None) -> Path:
     """`tokenfleet quantize`'s output for the model, made once and kept in the cache folder."""
     from gpu_worker.engine.builtin_models import cache_dir
     from gpu_worker.engine.quantization.convert import quantize_checkpoint
 
-    out = cache_dir() / "quantized" / f"{Path(model).stem}-{method}-g{group_size}-v{FORMAT_VERSION}"
+    table_tag = f"-table-{table}" if table else ""
+    out = cache_dir() / "quantized" / f"{Path(model).stem}-{method}-g{group_size}{table_tag}-v{FORMAT_VERSION}"
     if not (out / "model.safetensors").is_file():
-        quantize_checkpoint(model, method, out, group_size)
+        quantize_checkpoint(model, method, out, group_size, table=table)
     return out
 
 

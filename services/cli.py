@@ -190,6 +190,9 @@ def _add_service_commands(sub) -> None:
     quantize.add_argument("--method", required=True, choices=["int8", "int4", "bf16"],
                           help="bf16: a plain dense copy (e.g. of a GGUF file's dequantized weights)")
     quantize.add_argument("--group-size", type=int, default=128, help="int4: inputs per group of one scale")
+    quantize.add_argument("--table", choices=["int8", "int4"], default=None,
+                          help="the embedding table's method (default: int8 where the LM head shares it, as "
+                               "llama.cpp keeps it; else --method)")
     quantize.add_argument("--calibration", type=Path, default=None,
                           help="int4: text whose activations choose the AWQ scales (default: a shipped sample)")
     quantize.add_argument("--out", type=Path, required=True)

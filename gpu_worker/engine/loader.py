@@ -160,11 +160,10 @@ def quantize_model(model: Transformer, quantizer: WeightQuantizer, dtype: torch.
     table = model.embed_tokens.weight
     tied = table is not None and model.lm_head.weight is table
     if table is not None:
-        table = quantizer.for_table(tied)(table.detach())
-        model.embed_tokens.quantize(table, dtype, device)
+        model.embed_tokens.quantize(quantizer.for_table(tied)(table.detach()), dtype, device)
     for module in model.modules():
         if isinstance(module, Linear) and module.weight is not None:
             if tied and module is model.lm_head:
-                module.quantize(table, dtype, device, shares_weight=True)
+                module.quantize(model.embed_tokens.quantized, dtype, device, shares_weight=True)
             else:
                 module.quantize(quantizer(module.weight.detach()), dtype, device)

@@ -13,7 +13,7 @@ from . import ops
 from .attention import AttentionMetadata, TorchPagedAttention
 from .linear import Linear
 from .model_config import ModelConfig
-from .quantization.weights import QuantizedWeight
+from .quantization.weights import QuantizedWeight, with_exact_scales
 from .rope import RotaryEmbedding
 
 
@@ -29,7 +29,7 @@ class Embedding(nn.Embedding):
         return self.num_embeddings, self.embedding_dim
 
     def quantize(self, weight: QuantizedWeight, dtype: torch.dtype, device: torch.device) -> None:
-        self.quantized, self.dtype = weight.to(device), dtype
+        self.quantized, self.dtype = with_exact_scales(weight.to(device)), dtype
         self.weight = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ import torch
 
 from gpu_worker.engine import LLM, SamplingParams
 from gpu_worker.engine.errors import ModelLoadError
-from gpu_worker.engine.kernels import QUANT_CPU_FLAGS, cpu_has
+from gpu_worker.engine.kernels import QUANT_AMX_FLAGS, QUANT_CPU_FLAGS, QUANT_VNNI_FLAGS, cpu_has, quant_vnni_kernels
 from gpu_worker.engine.quantization.formats import AwqFormat, GptqFormat
 from gpu_worker.engine.quantization.kernels import (
     CpuInt4LinearKernel,
@@ -110,6 +110,16 @@ def test_cpu_kernels_match_the_dequantizing_reference(n, k, rows, kernel_type):
     expected = DequantLinearKernel(weight)(x, None, bias)
     got = kernel_type(weight, torch.bfloat16)(x.bfloat16(), None, bias.bfloat16()).float()
     torch.testing.assert_close(got, expected, rtol=0.05, atol=0.05)
+
+
+@pytest.mark.skipif(not cpu_has(QUANT_VNNI_FLAGS) or cpu_has(QUANT_AMX_FLAGS),
+                    reason="the VNNI GEMM serves decode batches and prefill where the CPU has VNNI and no AMX")
+@pytest.mark.parametrize("rows", [5, 64, 300])
+def test_without_amx_every_row_count_past_a_decode_steps_few_takes_the_vnni_gemm(rows):
+    weight = quantize_int4(torch.randn(96, 256) / 16, 64)
+    x = torch.randn(rows, 256).bfloat16()
+    got = CpuInt4LinearKernel(weight, torch.bfloat16)(x, None, None)
+    assert torch.equal(got, quant_vnni_kernels().int4_gemm_a8(x, weight.packed, weight.scale, weight.offset))
 
 
 def test_w8a8_weights_take_the_int8_matmul_where_onednn_has_it_and_int8_weights_stay_weight_only():

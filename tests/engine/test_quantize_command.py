@@ -48,6 +48,19 @@ def test_int4_directory_is_under_three_tenths_of_bf16_and_close_to_the_dense_mod
     assert (prompt_logprobs(served) - dense).abs().mean() < 0.02 * dense.abs().mean()
 
 
+def test_an_int4_table_halves_a_tied_tables_bytes_and_the_lm_head_reads_it(make_checkpoint, tmp_path):
+    # llama.cpp's --token-embedding-type: by default a tied table stays int8 under int4 (every logit sees it).
+    src = make_checkpoint("llama-tied", hidden_size=256, intermediate_size=512, initializer_range=0.02)
+    default = quantize_checkpoint(str(src), "int4", tmp_path / "int8-table")
+    smaller = quantize_checkpoint(str(src), "int4", tmp_path / "int4-table", table="int4")
+    assert smaller.quantized_bytes < default.quantized_bytes
+    model = LLM(str(smaller.out), dtype="float32").engine.runner.model
+    assert isinstance(model.embed_tokens.quantized, Int4Weight)
+    assert model.lm_head.kernel.weight.packed.data_ptr() == model.embed_tokens.quantized.packed.data_ptr()  # shared
+    with pytest.raises(ValueError, match="table's method"):
+        quantize_checkpoint(str(src), "int4", tmp_path / "bad", table="int2")
+
+
 def test_folding_scales_keeps_the_dense_models_function(make_checkpoint):
     llm = LLM(str(make_checkpoint("llama-tied")), dtype="float32")
     before = prompt_logprobs(llm)

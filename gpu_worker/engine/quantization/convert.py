@@ -45,13 +45,17 @@ class Conversion:
 
 
 def quantize_checkpoint(model: str, method: str, out: Path, group_size: int = DEFAULT_GROUP_SIZE,
-                        calibration: Path | None = None) -> Conversion:
+                        calibration: Path | None = None, table: str | None = None) -> Conversion:
+    """`table`: the embedding table's method (int8 or int4); by default int8 where the LM head shares it
+    (see `WeightQuantizer.for_table`), else the weights' own."""
     started = time.perf_counter()
     checkpoint = open_checkpoint(model)
     if checkpoint.quantization is not None:
         raise ModelLoadError(f"{checkpoint.path} is already quantized ({checkpoint.quantization.name})")
     if method not in ("int8", "int4", "bf16"):
         raise ValueError(f"method must be int8, int4 or bf16; got {method!r}")
+    if table not in (None, "int8", "int4") or (table is not None and method == "bf16"):
+        raise ValueError(f"the table's method must be int8 or int4, with --method int8 or int4; got {table!r}")
     llm = LLM(model, dtype="float32", enable_prefix_caching=False)
     net = llm.engine.runner.model
     alphas, fmt = {}, None
@@ -59,7 +63,7 @@ def quantize_checkpoint(model: str, method: str, out: Path, group_size: int = DE
         tensors = {_hf(name): p.detach().to(torch.bfloat16).contiguous() for name, p in net.named_parameters()}
         quantized_bytes = bf16_bytes = sum(t.nbytes for t in tensors.values())
     else:
-        quantizer = WeightQuantizer(method, group_size)
+        quantizer = WeightQuantizer(method, group_size, table)
         if method == "int4":
             text = (calibration or CALIBRATION_TEXT).read_text()
             alphas = apply_awq(net, _calibration_inputs(llm, text), quantizer.fake)
@@ -150,7 +154,7 @@ def _copy_tokenizer(checkpoint: Checkpoint, llm: LLM, out: Path) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    done = quantize_checkpoint(args.model, args.method, args.out, args.group_size, args.calibration)
+    done = quantize_checkpoint(args.model, args.method, args.out, args.group_size, args.calibration, args.table)
     print(f"wrote {done.out} in {done.seconds:.1f} s: weights {done.quantized_bytes / 1e6:.1f} MB "
           f"({done.quantized_bytes / done.bf16_bytes:.3f}x of bf16)")
     return 0

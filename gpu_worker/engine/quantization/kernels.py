@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import quant_amx_kernels, quant_cpu_kernels, quant_vnni_kernels, triton_available
-from .weights import FP8_MAX, Fp8Weight, Int4Weight, Int8Weight, QuantizedWeight
+from .weights import FP8_MAX, Fp8Weight, Int4Weight, Int8Weight, QuantizedWeight, exact_scales
 
 # Rows up to which the native GEMVs beat dequantized tiles (they stream the weight once for all of them, but
 # their arithmetic grows with the rows where oneDNN's AMX barely notices): the fp32 ones up to 4; the
@@ -33,15 +33,6 @@ VNNI_INT4_ROWS = 8
 AMX_ROWS = 64
 # The row count oneDNN tunes a prepacked int8 layout for; it serves every row count.
 PACKING_BATCH_HINT = 128
-
-
-def exact_scales(*scales: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
-    """The scales in bf16 where that keeps every value (our quantizers make them so: half the bytes), else in
-    float32: a checkpoint's fp16 scales (GGUF, GPTQ, AWQ) would lose three bits of mantissa in bf16."""
-    compact = tuple(s.to(torch.bfloat16) for s in scales)
-    exact = all(torch.equal(c.float(), s.float()) for c, s in zip(compact, scales, strict=True))
-    chosen = tuple((c if exact else s.float()).contiguous() for c, s in zip(compact, scales, strict=True))
-    return chosen[0] if len(chosen) == 1 else chosen
 
 
 class DequantLinearKernel:

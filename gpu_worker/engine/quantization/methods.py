@@ -24,6 +24,7 @@ class WeightQuantizer:
 
     method: str  # int8, int4, fp8, w8a8
     group_size: int = DEFAULT_GROUP_SIZE
+    table: str | None = None  # the embedding table's method (int8 or int4); None: as `for_table` says
 
     @property
     def bits(self) -> int:
@@ -38,8 +39,11 @@ class WeightQuantizer:
         return quantize_int4(w, group) if group else quantize_int8(w)
 
     def for_table(self, tied: bool) -> WeightQuantizer:
-        """The quantizer of the embedding table. A table the LM head shares is int8 even for int4 weights, as
-        llama.cpp keeps it at 8 bits: the LM head is the layer whose rounding every logit sees."""
+        """The quantizer of the embedding table: `table` where given (llama.cpp's --token-embedding-type), else
+        int8 for a table the LM head shares even under int4, as llama.cpp keeps it at 8 bits: the LM head is the
+        layer whose rounding every logit sees."""
+        if self.table is not None:
+            return WeightQuantizer(self.table, self.group_size)
         return WeightQuantizer("int8") if (tied and self.method == "int4") or self.method == "w8a8" else self
 
     def fake(self, w: torch.Tensor) -> torch.Tensor:

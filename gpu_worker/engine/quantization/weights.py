@@ -13,7 +13,7 @@ them (fp16 values, which the kernels keep in float32).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -141,6 +141,27 @@ class Fp8Weight:
 
 QuantizedWeight = Int8Weight | Int4Weight | Fp8Weight
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+
+
+def exact_scales(*scales: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """The scales in bf16 where that keeps every value (our quantizers make them so: half the bytes), else in
+    float32: a checkpoint's fp16 scales (GGUF, GPTQ, AWQ) would lose three bits of mantissa in bf16."""
+    compact = tuple(s.to(torch.bfloat16) for s in scales)
+    exact = all(torch.equal(c.float(), s.float()) for c, s in zip(compact, scales, strict=True))
+    chosen = tuple((c if exact else s.float()).contiguous() for c, s in zip(compact, scales, strict=True))
+    return chosen[0] if len(chosen) == 1 else chosen
+
+
+def with_exact_scales(weight: QuantizedWeight) -> QuantizedWeight:
+    """`weight` with its scales (and offsets) as `exact_scales` keeps them: an embedding table that a tied LM head
+    shares then holds the very tensors the head's kernel reads, not a float32 copy beside them (an int4 table's
+    scales and offsets in groups of 32 are a quarter of its bytes)."""
+    if isinstance(weight, Int8Weight):
+        return replace(weight, scale=exact_scales(weight.scale))
+    if isinstance(weight, Int4Weight):
+        scale, offset = exact_scales(weight.scale, weight.offset)
+        return replace(weight, scale=scale, offset=offset)
+    return weight
 
 
 def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
