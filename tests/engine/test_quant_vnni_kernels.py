@@ -74,7 +74,7 @@ def test_int8_with_a_scale_per_group_of_32_is_the_product_with_quantized_x(n, k,
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("kernel", "m"), [kr for kr in KERNEL_ROWS if kr[1] != 2])
 @pytest.mark.parametrize(("n", "k", "group_size"),
-                         [(n, k, g) for n, k in SHAPES for g in (32, 64, 128) if k % g == 0])
+                         [(n, k, g) for n, k in SHAPES for g in (32, 64, 128, 192) if k % g == 0])
 def test_int4_is_the_product_with_x_quantized_per_run_of_32(n, k, group_size, kernel, m, dtype):
     weight = quantize_int4(seeded_weight(n, k), group_size)
     x = torch.randn(m, k).to(dtype)
