@@ -206,8 +206,9 @@ class Worker:
                                   traceparent=request.traceparent, **self.worker_fields)
         if request.cache_fill is not None:
             await self._fill_cache(request, usage)
-        await self._close(delivery, rid, [finished], event)
+        # Observed before the reply closes: a scrape right after the client has its last token counts it.
         self.metrics.observe(timing, usage.completion_tokens)
+        await self._close(delivery, rid, [finished], event)
 
     async def _fill_cache(self, request: p.GenerateRequest, usage: p.Usage) -> None:
         """The whole response, as its reply stream holds it (a resumed request's too), into the caches before
