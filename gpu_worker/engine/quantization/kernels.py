@@ -104,8 +104,8 @@ class _NativeCpuKernel:
     decode step; then, where the CPU has AMX, `amx` (blocks of dequantized weight rows kept in cache,
     `kernels/quant_amx_kernels.cpp`) for a decode batch's tens of rows and `tiles` (dequantized bf16 tiles into
     oneDNN, `kernels/quant_cpu_kernels.cpp`) for more; where it has VNNI and no AMX, `gemm` (int8 activations,
-    `kernels/quant_vnni_gemm.cpp`) for every larger row count: 1.0-1.4x the prepacked bf16 matmul from 8 to 512
-    rows on a Zen 5 (int4 0.9-1.3x), where the tiles ran 0.4-0.98x; else the tiles."""
+    `kernels/quant_vnni_gemm.cpp`) for every larger row count: int8 0.93-1.48x the prepacked bf16 matmul from 8
+    to 128 rows on a Zen 5 (int4 0.75-1.29x), where the tiles ran 0.4-0.98x; else the tiles."""
 
     copies_weight = False
 
