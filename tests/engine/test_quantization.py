@@ -26,6 +26,7 @@ from gpu_worker.engine.quantization.weights import (
     quantize_fp8,
     quantize_int4,
     quantize_int8,
+    with_exact_scales,
 )
 from tests import quant_packers
 from tests.quant_checkpoints import four_bit_checkpoints, with_dequantized_weights
@@ -110,6 +111,14 @@ def test_cpu_kernels_match_the_dequantizing_reference(n, k, rows, kernel_type):
     expected = DequantLinearKernel(weight)(x, None, bias)
     got = kernel_type(weight, torch.bfloat16)(x.bfloat16(), None, bias.bfloat16()).float()
     torch.testing.assert_close(got, expected, rtol=0.05, atol=0.05)
+
+
+@pytest.mark.skipif(not cpu_has(QUANT_CPU_FLAGS), reason="the native int4 kernel needs AVX2")
+def test_a_table_and_its_tied_lm_heads_kernel_hold_one_copy_of_the_scales():
+    # The embedding keeps the scales in the form the head's kernel reads, so the kernel takes them as they are.
+    table = with_exact_scales(quantize_int4(torch.randn(64, 256) / 16, 32))
+    kernel = CpuInt4LinearKernel(table, torch.bfloat16)
+    assert kernel.scale.data_ptr() == table.scale.data_ptr() and kernel.offset.data_ptr() == table.offset.data_ptr()
 
 
 @pytest.mark.skipif(not cpu_has(QUANT_VNNI_FLAGS) or cpu_has(QUANT_AMX_FLAGS),

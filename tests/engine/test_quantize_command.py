@@ -48,7 +48,7 @@ def test_int4_directory_is_under_three_tenths_of_bf16_and_close_to_the_dense_mod
     assert (prompt_logprobs(served) - dense).abs().mean() < 0.02 * dense.abs().mean()
 
 
-def test_an_int4_table_halves_a_tied_tables_bytes_and_the_lm_head_reads_it(make_checkpoint, tmp_path):
+def test_an_int4_table_shrinks_a_tied_model_and_the_lm_head_reads_it(make_checkpoint, tmp_path):
     # llama.cpp's --token-embedding-type: by default a tied table stays int8 under int4 (every logit sees it).
     src = make_checkpoint("llama-tied", hidden_size=256, intermediate_size=512, initializer_range=0.02)
     default = quantize_checkpoint(str(src), "int4", tmp_path / "int8-table")

@@ -24,7 +24,7 @@
 #include <vector>
 
 #include "quant_common.h"
-#include "quant_int8_activations.h"
+#include "quant_vnni_common.h"
 
 namespace {
 
@@ -192,13 +192,10 @@ torch::Tensor int4_gemm_a8(const torch::Tensor& x, const torch::Tensor& packed, 
   const int64_t K = w.K, groups = K / w.G;
   return gemm(x, w.N, K, w.G, w.scale, [&](Block& b, auto* sp, int64_t n0, int64_t rows) {
     transpose_block(b, K, rows, [&](int64_t i, int64_t k) {
-      // 32 bytes hold inputs k .. k + 63, input 2j in the low nibble of byte j: widened to 16 bits, byte j's
-      // nibbles become the 16-bit lane (lo | hi << 8), which is the inputs' order in memory.
-      const __mmask32 mask = K - k >= 64 ? ~0u : (1u << ((K - k) / 2)) - 1;
+      const __mmask32 mask = K - k >= 64 ? ~0u : (1u << ((K - k) / 2)) - 1;  // 32 bytes hold inputs k .. k + 63
       const uint8_t* p = w.packed + (n0 + i) * (K / 2) + k / 2;
       prefetch_next_block(p, kLanes * K / 2);
-      const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(mask, p));
-      return _mm512_and_si512(_mm512_or_si512(bytes, _mm512_slli_epi16(bytes, 4)), _mm512_set1_epi16(0x0F0F));
+      return int4_in_order(_mm256_maskz_loadu_epi8(mask, p));
     });
     block_scales(b.scale, sp, groups, n0, rows);
     block_scales(b.offset, static_cast<decltype(sp)>(w.offset.data_ptr()), groups, n0, rows);

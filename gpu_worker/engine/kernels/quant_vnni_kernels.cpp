@@ -27,7 +27,7 @@
 #include <vector>
 
 #include "quant_common.h"
-#include "quant_int8_activations.h"
+#include "quant_vnni_common.h"
 
 namespace {
 
@@ -57,15 +57,11 @@ struct Int4Chunk {
   const uint8_t* row(int64_t n) const { return packed + n * (K / 2); }
   int64_t row_bytes() const { return K / 2; }
   static constexpr int64_t chunk_bytes() { return kChunk / 2; }
-  static __m512i nibbles(__m256i bytes) {
-    const __m512i b = _mm512_cvtepu8_epi16(bytes);
-    return _mm512_and_si512(_mm512_or_si512(b, _mm512_slli_epi16(b, 4)), _mm512_set1_epi16(0x0F0F));
-  }
   __m512i operator()(const uint8_t* row, int64_t k) const {
-    return nibbles(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + k / 2)));
+    return int4_in_order(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + k / 2)));
   }
   __m512i tail(const uint8_t* row, int64_t k) const {
-    return nibbles(_mm256_maskz_loadu_epi8(static_cast<__mmask32>((1ull << ((K - k) / 2)) - 1), row + k / 2));
+    return int4_in_order(_mm256_maskz_loadu_epi8(static_cast<__mmask32>((1ull << ((K - k) / 2)) - 1), row + k / 2));
   }
 };
 

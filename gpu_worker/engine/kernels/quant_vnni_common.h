@@ -1,6 +1,6 @@
-// The activations of the int8-activation kernels (quant_vnni_kernels.cpp, quant_vnni_gemm.cpp): x quantized to
-// int8 per run of 32 inputs, each run with its own scale (max |x| / 127), as llama.cpp's q8_0 / q4_0 dot products
-// take it. Internal linkage: each source gets its own copy.
+// What the int8-activation kernels share (quant_vnni_kernels.cpp, quant_vnni_gemm.cpp): x quantized to int8 per
+// run of 32 inputs, each run with its own scale (max |x| / 127), as llama.cpp's q8_0 / q4_0 dot products take it;
+// int4 nibbles put in input order; the checks of their arguments. Internal linkage: each source gets its own copy.
 #pragma once
 #include <torch/extension.h>
 #include <immintrin.h>
@@ -75,6 +75,13 @@ QuantizedX quantize_x(const torch::Tensor& x, int64_t G, bool signed_weights) {
   return xc.scalar_type() == at::kBFloat16
              ? quantize_x(xc.data_ptr<at::BFloat16>(), x.size(0), x.size(1), G, signed_weights)
              : quantize_x(xc.data_ptr<float>(), x.size(0), x.size(1), G, signed_weights);
+}
+
+// 32 packed int4 bytes (inputs 2j in the low nibble of byte j, 2j + 1 in the high one) as 64 bytes in input order:
+// widened to 16 bits, byte j's nibbles become the 16-bit lane (lo | hi << 8), which is that order in memory.
+inline __m512i int4_in_order(__m256i packed) {
+  const __m512i b = _mm512_cvtepu8_epi16(packed);
+  return _mm512_and_si512(_mm512_or_si512(b, _mm512_slli_epi16(b, 4)), _mm512_set1_epi16(0x0F0F));
 }
 
 // The VNNI loops take a chunk of 64 inputs within one group, or two groups of 32.
