@@ -7,14 +7,13 @@ chunks (each attended on its own, causally, over its cached context plus the chu
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from .host_memory import huge_page_zeros
 from .kv_cache_manager import cdiv
 
 
@@ -95,26 +94,8 @@ def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_
     # Head-major within a block: one head's rows of a block are contiguous, so a decode kernel streams them.
     shape = (2, num_blocks, num_kv_heads, block_size, head_dim)
     if device.type == "cpu":
-        return [_huge_page_zeros(shape, dtype) for _ in range(num_layers)]
+        return [huge_page_zeros(shape, dtype) for _ in range(num_layers)]
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-
-
-_HUGE_PAGE = 2 << 20
-_MADV_HUGEPAGE = 14
-
-
-def _huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """Zeros backed by transparent huge pages where Linux allows them: decode reads scattered blocks, and
-    with 4 KiB pages nearly every block costs a TLB miss (the CPU attention kernel ran 10-20% slower)."""
-    nbytes = math.prod(shape) * dtype.itemsize
-    raw = torch.empty(nbytes + _HUGE_PAGE, dtype=torch.uint8)
-    offset = -raw.data_ptr() % _HUGE_PAGE
-    try:
-        libc = ctypes.CDLL(None)
-        libc.madvise(ctypes.c_void_p(raw.data_ptr() + offset), ctypes.c_size_t(nbytes), _MADV_HUGEPAGE)
-    except (OSError, AttributeError):  # not Linux: ordinary pages serve
-        pass
-    return raw[offset:offset + nbytes].view(dtype).view(shape).zero_()
 
 
 class TorchPagedAttention:

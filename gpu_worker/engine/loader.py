@@ -15,6 +15,7 @@ from torch import nn
 
 from .checkpoint import Checkpoint
 from .errors import ModelLoadError
+from .host_memory import move_parameters_to_huge_pages_
 from .kv_cache_format import DenseKVFormat, KVCacheFormat
 from .linear import Linear, pack_linears
 from .model import Embedding, Transformer
@@ -83,6 +84,7 @@ def load_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device,
     # Built after the dtype cast: frequencies stay float32, as in HF.
     model.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)
     pack_linears(model)
+    move_parameters_to_huge_pages_(model)  # the dense weights each decode step streams
     (kv_format or DenseKVFormat(dtype)).install(model, device)
     return model.eval()
 

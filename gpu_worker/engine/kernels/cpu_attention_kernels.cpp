@@ -3,6 +3,7 @@
 #include <vector>
 
 #include "cpu_kernels.h"
+#include "sum16.h"
 
 namespace {
 
@@ -15,18 +16,20 @@ inline void prefetch(const void* p, int64_t bytes) {
 }
 
 // A cache's token-head rows as attention reads them (row r: [D] values at r * D). `dot` is a query head's
-// product with a key row; `value16` sixteen values of a row as floats, and `value_scale` what they take.
+// product with a key row as a vector still to be summed, times `key_scale`; `value16` sixteen values of a row as
+// floats, and `value_scale` what they take.
 struct Bf16Rows {
   static constexpr int64_t kBytes = 2;
   const uint16_t* k;
   const uint16_t* v;
   int64_t D;
-  float dot(const uint16_t* q, const float*, int64_t r) const {
+  __m512 dot(const uint16_t* q, const float*, int64_t r) const {
     __m512 acc = _mm512_setzero_ps();
     for (int64_t d = 0; d < D; d += 32)
       acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q + d), (__m512bh)_mm512_loadu_si512(k + r * D + d));
-    return _mm512_reduce_add_ps(acc);
+    return acc;
   }
+  float key_scale(int64_t) const { return 1.0f; }
   float value_scale(int64_t) const { return 1.0f; }
   __m512 value16(int64_t r, int64_t d) const { return load_bf16x16(v + r * D + d); }
 };
@@ -43,11 +46,12 @@ struct Int8Rows {
   static __m512 int8x16(const int8_t* p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   }
-  float dot(const uint16_t*, const float* q, int64_t r) const {
+  __m512 dot(const uint16_t*, const float* q, int64_t r) const {
     __m512 acc = _mm512_setzero_ps();
     for (int64_t d = 0; d < D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), int8x16(k + r * D + d), acc);
-    return _mm512_reduce_add_ps(acc) * bf16_to_float(k_scale[r]);
+    return acc;
   }
+  float key_scale(int64_t r) const { return bf16_to_float(k_scale[r]); }
   float value_scale(int64_t r) const { return bf16_to_float(v_scale[r]); }
   __m512 value16(int64_t r, int64_t d) const { return int8x16(v + r * D + d); }
 };
@@ -74,6 +78,7 @@ torch::Tensor paged_decode(const torch::Tensor& q, const Rows& rows, int64_t KVH
 #pragma omp parallel
   {
     std::vector<float> scores, acc, qf(G * D);
+    std::vector<int64_t> token_rows;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < B * KVH; task++) {
       const int64_t b = task / KVH, kvh = task % KVH, L = lp[b];
@@ -81,16 +86,33 @@ torch::Tensor paged_decode(const torch::Tensor& q, const Rows& rows, int64_t KVH
       acc.resize(G * D);
       const uint16_t* qb = qp + (b * H + kvh * G) * D;
       for (int64_t i = 0; i < G * D; i++) qf[i] = bf16_to_float(qb[i]);
-      // Token t's row for this KV head: a block holds each head's block_size rows contiguously.
-      const auto row = [&](int64_t t) {
-        return (tp[b * max_blocks + t / block_size] * KVH + kvh) * block_size + t % block_size;
-      };
-      for (int64_t t = 0; t < L; t++) {
-        const int64_t r = row(t);
-        if (t + kPrefetchAhead < L) prefetch(reinterpret_cast<const char*>(rows.k) + row(t + kPrefetchAhead) * row_bytes,
-                                             row_bytes);
-        for (int64_t g = 0; g < G; g++)
-          scores[g * L + t] = rows.dot(qb + g * D, qf.data() + g * D, r) * static_cast<float>(scale);
+      // Token t's row for this KV head (a block holds each head's block_size rows contiguously), listed once:
+      // a division per token and use took a third of the kernel's time.
+      token_rows.resize(L);
+      for (int64_t t0 = 0; t0 < L; t0 += block_size) {
+        const int64_t first = (tp[b * max_blocks + t0 / block_size] * KVH + kvh) * block_size;
+        for (int64_t t = t0; t < std::min(L, t0 + block_size); t++) token_rows[t] = first + t - t0;
+      }
+      const auto row = [&](int64_t t) { return token_rows[t]; };
+      // Scores sixteen tokens at a time, their dot products summed together (sum16): one reduction per token
+      // and head took most of the kernel's time at short contexts.
+      for (int64_t t0 = 0; t0 < L; t0 += 16) {
+        const int64_t n = std::min<int64_t>(16, L - t0);
+        int64_t r[16];
+        alignas(64) float key_scale[16] = {};
+        for (int64_t i = 0; i < n; i++) {
+          const int64_t t = t0 + i;
+          r[i] = row(t);
+          key_scale[i] = rows.key_scale(r[i]) * static_cast<float>(scale);
+          if (t + kPrefetchAhead < L) prefetch(reinterpret_cast<const char*>(rows.k) + row(t + kPrefetchAhead) * row_bytes,
+                                               row_bytes);
+        }
+        for (int64_t g = 0; g < G; g++) {
+          __m512 dots[16];
+          for (int64_t i = 0; i < 16; i++) dots[i] = i < n ? rows.dot(qb + g * D, qf.data() + g * D, r[i]) : _mm512_setzero_ps();
+          _mm512_mask_storeu_ps(scores.data() + g * L + t0, static_cast<__mmask16>((1u << n) - 1),
+                                _mm512_mul_ps(sum16(dots), _mm512_load_ps(key_scale)));
+        }
       }
       for (int64_t g = 0; g < G; g++) softmax_inplace(scores.data() + g * L, L);
       // Values: 64 columns at a time, converted once per token, accumulated in registers for 4 heads.

@@ -43,7 +43,7 @@ torch::Tensor silu_and_mul_bf16(const torch::Tensor& x) {
   auto out = torch::empty({T, I}, x.options());
   const auto* xp = static_cast<const uint16_t*>(x.data_ptr());
   auto* op = static_cast<uint16_t*>(out.data_ptr());
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (T * I >= kMinParallelElements)
   for (int64_t t = 0; t < T; t++) {
     for (int64_t i = 0; i < I; i += 16) {
       const __m512 g = load_bf16x16(xp + t * 2 * I + i);
@@ -77,7 +77,7 @@ torch::Tensor rms_norm_bf16(const torch::Tensor& x, const torch::Tensor& weight,
   const auto* xp = static_cast<const uint16_t*>(x.data_ptr());
   const auto* wp = static_cast<const uint16_t*>(weight.data_ptr());
   auto* op = static_cast<uint16_t*>(out.data_ptr());
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (T * H >= kMinParallelElements)
   for (int64_t t = 0; t < T; t++) rms_norm_row(xp + t * H, wp, op + t * H, H, static_cast<float>(eps));
   return out;
 }
@@ -96,7 +96,7 @@ std::vector<torch::Tensor> add_rms_norm_bf16(const torch::Tensor& x, const torch
   const auto* wp = static_cast<const uint16_t*>(weight.data_ptr());
   auto* op = static_cast<uint16_t*>(out.data_ptr());
   auto* sp = static_cast<uint16_t*>(sum.data_ptr());
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (T * H >= kMinParallelElements)
   for (int64_t t = 0; t < T; t++) {
     for (int64_t h = 0; h < H; h += 16)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(sp + t * H + h),
@@ -114,7 +114,7 @@ torch::Tensor argmax_bf16(const torch::Tensor& logits) {
   auto out = torch::empty({B}, logits.options().dtype(torch::kInt64));
   const auto* lp = static_cast<const uint16_t*>(logits.data_ptr());
   int64_t* op = out.data_ptr<int64_t>();
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (B > 1)
   for (int64_t b = 0; b < B; b++) {
     const uint16_t* row = lp + b * V;
     __m512 best = _mm512_set1_ps(-INFINITY);
@@ -143,7 +143,7 @@ void rotary_inplace_bf16(torch::Tensor& qkv, const torch::Tensor& cos, const tor
   const auto* cp = static_cast<const uint16_t*>(cos.data_ptr());
   const auto* sp = static_cast<const uint16_t*>(sin.data_ptr());
   auto round = [](__m512 v) { return load_bf16x16_from(to_bf16x16(v)); };
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (T * W >= kMinParallelElements)
   for (int64_t t = 0; t < T; t++) {
     for (int64_t h = 0; h < heads; h++) {
       uint16_t* x = xp + t * W + h * head_dim;

@@ -7,6 +7,10 @@
 #include <cmath>
 #include <cstring>
 
+// Element-wise work below which a kernel runs on the calling thread: a decode step's one-row ops took several
+// times their arithmetic in starting and joining the parallel region.
+constexpr int64_t kMinParallelElements = 1 << 15;
+
 static inline uint16_t to_bf16(float f) {
   uint32_t u;
   std::memcpy(&u, &f, 4);

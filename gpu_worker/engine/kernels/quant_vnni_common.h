@@ -26,15 +26,14 @@ struct QuantizedX {
   int64_t M, K, chunks;
   std::vector<int8_t> q;            // [M, chunks * 64]
   std::vector<float> scale;         // [M, chunks, 16]: lanes 0-7 the chunk's first run's scale, 8-15 the second's
-  std::vector<int32_t> minus_bias;  // [M, chunks, 16]: -128 * the sum of each lane's four bytes of q (int8 only)
-  // [M, K / G]: the sums of quantized x over each weight group, for int4's offsets. Quantized, not exact: the
-  // product is then the weight times quantized x, as int8's is; exact sums left the error of sum(q * scale * x),
-  // a term larger than the result when offsets cancel it (~2% error where int8 had 0.5%).
+  // [M, K / G]: the sums of quantized x over each weight group, for the offsets (int4's; int8's -128 * scale, for
+  // its flipped sign bit). Quantized, not exact: the product is then the weight times quantized x; exact sums
+  // left the error of sum(q * scale * x), a term larger than the result when offsets cancel it (~2% error).
   std::vector<float> group_sum;
 };
 
 template <typename X>
-QuantizedX quantize_x(const X* xp, int64_t M, int64_t K, int64_t G, bool signed_weights) {
+QuantizedX quantize_x(const X* xp, int64_t M, int64_t K, int64_t G) {
   QuantizedX out;
   out.M = M, out.K = K, out.chunks = (K + kChunk - 1) / kChunk;
   const int64_t padded = out.chunks * kChunk, groups = K / G;
@@ -56,25 +55,15 @@ QuantizedX quantize_x(const X* xp, int64_t M, int64_t K, int64_t G, bool signed_
       out.group_sum[m * groups + 32 * b / G] += s * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
     }
   }
-  if (signed_weights) {
-    out.minus_bias.resize(M * out.chunks * 16);
-    const __m512i u128 = _mm512_set1_epi8(static_cast<char>(0x80));  // 128 as vpdpbusd's unsigned operand
-    for (int64_t i = 0; i < M * out.chunks; i++) {
-      // What the flipped weights' +128 adds to each lane: 128 * the sum of its four bytes of q.
-      const __m512i q = _mm512_loadu_si512(out.q.data() + i * kChunk);
-      const __m512i bias = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u128, q);
-      _mm512_storeu_si512(out.minus_bias.data() + i * 16, _mm512_sub_epi32(_mm512_setzero_si512(), bias));
-    }
-  }
   return out;
 }
 
 // x quantized, read as it is (bf16 or fp32): a conversion to fp32 first cost a torch op, ~2 us a call.
-QuantizedX quantize_x(const torch::Tensor& x, int64_t G, bool signed_weights) {
+QuantizedX quantize_x(const torch::Tensor& x, int64_t G) {
   const auto xc = x.contiguous();
   return xc.scalar_type() == at::kBFloat16
-             ? quantize_x(xc.data_ptr<at::BFloat16>(), x.size(0), x.size(1), G, signed_weights)
-             : quantize_x(xc.data_ptr<float>(), x.size(0), x.size(1), G, signed_weights);
+             ? quantize_x(xc.data_ptr<at::BFloat16>(), x.size(0), x.size(1), G)
+             : quantize_x(xc.data_ptr<float>(), x.size(0), x.size(1), G);
 }
 
 // 32 packed int4 bytes (inputs 2j in the low nibble of byte j, 2j + 1 in the high one) as 64 bytes in input order:
@@ -82,6 +71,18 @@ QuantizedX quantize_x(const torch::Tensor& x, int64_t G, bool signed_weights) {
 inline __m512i int4_in_order(__m256i packed) {
   const __m512i b = _mm512_cvtepu8_epi16(packed);
   return _mm512_and_si512(_mm512_or_si512(b, _mm512_slli_epi16(b, 4)), _mm512_set1_epi16(0x0F0F));
+}
+
+inline void store16(float* y, __m512 v, int64_t count) {
+  _mm512_mask_storeu_ps(y, static_cast<__mmask16>((1u << count) - 1), v);
+}
+// Rounded to nearest even as torch rounds (products are finite: no NaN case), without AVX512-BF16, which not
+// every VNNI CPU has (Cascade Lake, Ice Lake).
+inline void store16(at::BFloat16* y, __m512 v, int64_t count) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd)), 16);
+  _mm256_mask_storeu_epi16(y, static_cast<__mmask16>((1u << count) - 1), _mm512_cvtepi32_epi16(rounded));
 }
 
 // The VNNI loops take a chunk of 64 inputs within one group, or two groups of 32.

@@ -93,18 +93,6 @@ void block_scales(std::vector<float>& out, const S* s, int64_t groups, int64_t n
     for (int64_t i = 0; i < kLanes; i++) out[g * kLanes + i] = i < rows ? load_float(s + (n0 + i) * groups + g) : 0.0f;
 }
 
-inline void store16(float* y, __m512 v, int64_t count) {
-  _mm512_mask_storeu_ps(y, static_cast<__mmask16>((1u << count) - 1), v);
-}
-// Rounded to nearest even as torch rounds (products are finite: no NaN case), without AVX512-BF16, which not
-// every VNNI CPU has (Cascade Lake, Ice Lake).
-inline void store16(at::BFloat16* y, __m512 v, int64_t count) {
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd)), 16);
-  _mm256_mask_storeu_epi16(y, static_cast<__mmask16>((1u << count) - 1), _mm512_cvtepi32_epi16(rounded));
-}
-
 // y[m0 .. m0 + M) x [n0 .. n0 + rows) of x @ W.T from a block. Runs of 32 inputs within groups of G: each run's
 // int32 sums take the run's scale into the group's sums, each group's the weight rows' scales (and offsets).
 template <int M, typename Y>
@@ -145,7 +133,7 @@ torch::Tensor gemm(const torch::Tensor& x, int64_t N, int64_t K, int64_t G, cons
                    Prepare&& prepare) {
   check_x(x, K);
   TORCH_CHECK(G % 32 == 0, "the group size K / groups = ", G, " must be a multiple of 32");
-  const QuantizedX xq = quantize_x(x, G, false);
+  const QuantizedX xq = quantize_x(x, G);
   const std::vector<float> run_scale = run_scales(xq);
   const int64_t M = x.size(0), blocks = (N + kLanes - 1) / kLanes;
   auto y = torch::empty({M, N}, x.options());

@@ -10,8 +10,9 @@
 // error to llama.cpp's: per-token activation scales (w8a8) cost SmolLM2 +2% perplexity.
 //
 // vpdpbusd multiplies unsigned by signed bytes. int4's q (0 .. 15) is unsigned as it is. int8's q is signed:
-// the kernel flips its top bit (q + 128, unsigned) and starts each chunk's sum at -128 * sum(x's four bytes per
-// lane), precomputed per token, which leaves sum(q * x) exactly.
+// the kernel flips its top bit (q + 128, unsigned) and serves it in int4's form, with the offset -128 * scale
+// applied to x's group sums once per row. A chunk's sum started at -128 * sum(x's four bytes per lane) instead
+// cost a fourth load per 64 weights: 0.8x this form's speed streaming SmolLM2's matrices on a Zen 4.
 //
 // Weights are the canonical forms of gpu_worker/engine/quantization/weights.py, [N, K] row-major:
 //   int8: q int8 [N, K], scale [N, K/G]: w = q * scale over each group of G inputs (G = K: one per channel).
@@ -28,6 +29,7 @@
 
 #include "quant_common.h"
 #include "quant_vnni_common.h"
+#include "sum16.h"
 
 namespace {
 
@@ -37,6 +39,7 @@ constexpr int64_t kPassBytes = 16 << 10;  // of weight rows taken against every 
 // in input order, each 16-bit lane's byte b widened to (b & 0xF) | (b >> 4) << 8. `tail`: only K - k < 64
 // inputs are left; the rest of the chunk reads as zeros.
 struct Int8Chunk {
+  static constexpr bool kFlipped = true;  // reads q + 128: w = (q + 128) * scale - 128 * scale
   const int8_t* q;
   int64_t K;
   const int8_t* row(int64_t n) const { return q + n * K; }
@@ -52,6 +55,7 @@ struct Int8Chunk {
 };
 
 struct Int4Chunk {
+  static constexpr bool kFlipped = false;
   const uint8_t* packed;
   int64_t K;
   const uint8_t* row(int64_t n) const { return packed + n * (K / 2); }
@@ -68,7 +72,7 @@ struct Int4Chunk {
 // acc[r][m] += chunk c of weight row r times x row m, scaled by x's run scales (and, kScaled, by the weight
 // rows' per-chunk scales). Every index is a compile-time constant, so the accumulators live in registers:
 // R weight rows at once give R * M independent sums, enough to hide an FMA's ~4-cycle latency.
-template <int R, int M, bool kSigned, bool kScaled>
+template <int R, int M, bool kScaled>
 inline void accumulate(__m512 (&acc)[R][M], const __m512i (&w)[R], const __m512 (&wscale)[R], const QuantizedX& x,
                        int64_t m0, int64_t c) {
 #pragma GCC unroll 8
@@ -76,10 +80,9 @@ inline void accumulate(__m512 (&acc)[R][M], const __m512i (&w)[R], const __m512 
     const int64_t i = (m0 + m) * x.chunks + c;
     const __m512i xq = _mm512_loadu_si512(x.q.data() + i * kChunk);
     const __m512 xs = _mm512_loadu_ps(x.scale.data() + i * 16);
-    const __m512i bias = kSigned ? _mm512_loadu_si512(x.minus_bias.data() + i * 16) : _mm512_setzero_si512();
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++) {
-      const __m512i d = _mm512_dpbusd_epi32(bias, w[r], xq);
+      const __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[r], xq);
       acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), kScaled ? _mm512_mul_ps(xs, wscale[r]) : xs, acc[r][m]);
     }
   }
@@ -102,12 +105,12 @@ inline void zero(__m512 (&acc)[R][M]) {
     for (auto& v : a) v = _mm512_setzero_ps();
 }
 
-// Rows [n, n + R) of y = x @ W.T for x's rows [m0, m0 + M). Each chunk's product takes its weight groups' scales: G = 32, a chunk spans
-// two groups (scaled per chunk); G % 64 == 0, a group spans whole chunks (scaled once per group). `offset`
-// (int4; null for int8) multiplies x's group sums.
-template <int R, int M, bool kSigned, typename S, typename Y, typename Chunk>
-inline void row_block(const QuantizedX& x, const Chunk& chunk, const S* scale, const S* offset, Y* y, int64_t N,
-                      int64_t G, int64_t m0, int64_t n) {
+// Rows [n, n + R) of y = x @ W.T for x's rows [m0, m0 + M), left as vectors to sum: totals[m][slot + r]. Each chunk's product takes its weight groups' scales: G = 32, a chunk spans
+// two groups (scaled per chunk); G % 64 == 0, a group spans whole chunks (scaled once per group). The offsets
+// (int4's `offset`; int8's -128 * scale) multiply x's group sums.
+template <int R, int M, typename S, typename Chunk>
+inline void row_block(const QuantizedX& x, const Chunk& chunk, const S* scale, const S* offset, __m512 (&totals)[M][16],
+                      int64_t G, int64_t m0, int64_t n, int64_t slot) {
   const int64_t K = x.K, groups = K / G, full = K / kChunk;
   decltype(chunk.row(0)) rows[R];
   for (int r = 0; r < R; r++) rows[r] = chunk.row(n + r);
@@ -124,7 +127,7 @@ inline void row_block(const QuantizedX& x, const Chunk& chunk, const S* scale, c
         wscale[r] = _mm512_insertf32x8(_mm512_set1_ps(load_float(s)),
                                        _mm256_set1_ps(2 * c + 1 < groups ? load_float(s + 1) : 0.0f), 1);
       }
-      accumulate<R, M, kSigned, true>(acc, w, wscale, x, m0, c);
+      accumulate<R, M, true>(acc, w, wscale, x, m0, c);
     }
   } else {
     const int64_t per_group = G / kChunk;
@@ -134,7 +137,7 @@ inline void row_block(const QuantizedX& x, const Chunk& chunk, const S* scale, c
       for (int64_t c = g * per_group; c < (g + 1) * per_group; c++) {
         prefetch_ahead<R>(chunk, rows, c);
         for (int r = 0; r < R; r++) w[r] = chunk(rows[r], c * kChunk);
-        accumulate<R, M, kSigned, false>(group_acc, w, wscale, x, m0, c);
+        accumulate<R, M, false>(group_acc, w, wscale, x, m0, c);
       }
       for (int r = 0; r < R; r++) {
         const __m512 s = _mm512_set1_ps(load_float(scale + (n + r) * groups + g));
@@ -145,12 +148,12 @@ inline void row_block(const QuantizedX& x, const Chunk& chunk, const S* scale, c
   for (int r = 0; r < R; r++) {
     for (int m = 0; m < M; m++) {
       __m512 total = acc[r][m];
-      if (offset != nullptr) {
-        for (int64_t g = 0; g < groups; g += 16)
-          total = _mm512_fmadd_ps(load16(offset + (n + r) * groups + g, groups - g),
-                                  load16(x.group_sum.data() + (m0 + m) * groups + g, groups - g), total);
+      for (int64_t g = 0; g < groups; g += 16) {
+        const __m512 o = Chunk::kFlipped ? _mm512_mul_ps(load16(scale + (n + r) * groups + g, groups - g), _mm512_set1_ps(-128.0f))
+                                         : load16(offset + (n + r) * groups + g, groups - g);
+        total = _mm512_fmadd_ps(o, load16(x.group_sum.data() + (m0 + m) * groups + g, groups - g), total);
       }
-      store(y + (m0 + m) * N + n + r, _mm512_reduce_add_ps(total));
+      totals[m][slot + r] = total;
     }
   }
 }
@@ -158,30 +161,40 @@ inline void row_block(const QuantizedX& x, const Chunk& chunk, const S* scale, c
 // Weight rows a block at a time: 4 for M <= 2, 2 for M <= 4, else 1 (R * M sums, plus R chunks, stay within
 // the 32 vector registers); int8 at M = 1 one row, read front to back as one stream: 1.15x the four rows'
 // throughput from DRAM on a Zen 5 (int4, whose unpacking makes it bound by arithmetic, ran 0.8x so).
-template <int M, bool kSigned>
-constexpr int kRowBlock = kSigned && M == 1 ? 1 : M <= 2 ? 4 : M <= 4 ? 2 : 1;
+template <int M, typename Chunk>
+constexpr int kRowBlock = Chunk::kFlipped && M == 1 ? 1 : M <= 2 ? 4 : M <= 4 ? 2 : 1;
 
-template <int M, bool kSigned, typename S, typename Y, typename Chunk>
+// Weight rows [n0, n1), sixteen at a time: their sums reduced together and stored as one vector (a reduction
+// and a store per row took ~40% of a 576-input row's time).
+template <int M, typename S, typename Y, typename Chunk>
 void row_group(const QuantizedX& x, const Chunk& chunk, const S* scale, const S* offset, Y* y, int64_t N, int64_t G,
                int64_t m0, int64_t n0, int64_t n1) {
-  constexpr int R = kRowBlock<M, kSigned>;
-  int64_t n = n0;
-  for (; n + R <= n1; n += R) row_block<R, M, kSigned>(x, chunk, scale, offset, y, N, G, m0, n);
-  for (; n < n1; n++) row_block<1, M, kSigned>(x, chunk, scale, offset, y, N, G, m0, n);
+  constexpr int R = kRowBlock<M, Chunk>;
+  for (int64_t b0 = n0; b0 < n1; b0 += 16) {
+    const int64_t count = std::min<int64_t>(16, n1 - b0);
+    __m512 totals[M][16];
+    int64_t n = b0;
+    for (; n + R <= b0 + count; n += R) row_block<R, M>(x, chunk, scale, offset, totals, G, m0, n, n - b0);
+    for (; n < b0 + count; n++) row_block<1, M>(x, chunk, scale, offset, totals, G, m0, n, n - b0);
+    for (int m = 0; m < M; m++) {
+      for (int64_t i = count; i < 16; i++) totals[m][i] = _mm512_setzero_ps();
+      store16(y + (m0 + m) * N + b0, sum16(totals[m]), count);
+    }
+  }
 }
 
 // Weight rows [n0, n1) against all of x: a pass of weight rows (kPassBytes) at a time, read from memory for x's
 // first rows and from L1 for every further group of kMaxRowsAtOnce rows (a decode batch of 32 reads the weights
 // once, as the bf16 path's oneDNN does).
-template <bool kSigned, typename S, typename Y, typename Chunk>
+template <typename S, typename Y, typename Chunk>
 void rows(const QuantizedX& x, const Chunk& chunk, const S* scale, const S* offset, Y* y, int64_t N, int64_t G,
           int64_t n0, int64_t n1) {
-  const int64_t pass = std::max<int64_t>(4, kPassBytes / chunk.row_bytes() / 4 * 4);
+  const int64_t pass = std::max<int64_t>(16, kPassBytes / chunk.row_bytes() / 16 * 16);  // whole groups of 16
   for (int64_t p0 = n0; p0 < n1; p0 += pass) {
     const int64_t p1 = std::min(n1, p0 + pass);
     for (int64_t m0 = 0; m0 < x.M; m0 += kMaxRowsAtOnce) {
       dispatch_rows(std::min(kMaxRowsAtOnce, x.M - m0), [&](auto m) {
-        row_group<m(), kSigned>(x, chunk, scale, offset, y, N, G, m0, p0, p1);
+        row_group<m()>(x, chunk, scale, offset, y, N, G, m0, p0, p1);
       });
     }
   }
@@ -195,12 +208,12 @@ torch::Tensor int8_gemv_a8(const torch::Tensor& x, const torch::Tensor& q, const
   const int64_t N = w.N, K = w.K, G = chunk_group(w.G);
   check_x(x, K);
   const auto& sc = w.scale;
-  const QuantizedX xq = quantize_x(x, G, true);
+  const QuantizedX xq = quantize_x(x, G);
   const int8_t* qp = w.q;
   auto y = torch::empty({x.size(0), N}, x.options());
   dispatch_types(sc, y, [&](auto* sp, auto* yp) {
     parallel_rows(N, K, [&](int64_t n0, int64_t n1) {
-      rows<true>(xq, Int8Chunk{qp, K}, sp, static_cast<decltype(sp)>(nullptr), yp, N, G, n0, n1);
+      rows(xq, Int8Chunk{qp, K}, sp, static_cast<decltype(sp)>(nullptr), yp, N, G, n0, n1);
     });
   });
   return y;
@@ -213,13 +226,13 @@ torch::Tensor int4_gemv_a8(const torch::Tensor& x, const torch::Tensor& packed, 
   const int64_t N = w.N, K = w.K, G = chunk_group(w.G);
   check_x(x, K);
   const auto &sc = w.scale, &oc = w.offset;
-  const QuantizedX xq = quantize_x(x, G, false);
+  const QuantizedX xq = quantize_x(x, G);
   const uint8_t* pp = w.packed;
   auto y = torch::empty({x.size(0), N}, x.options());
   dispatch_types(sc, y, [&](auto* sp, auto* yp) {
     const auto* op = static_cast<decltype(sp)>(oc.data_ptr());
     parallel_rows(N, K, [&](int64_t n0, int64_t n1) {
-      rows<false>(xq, Int4Chunk{pp, K}, sp, op, yp, N, G, n0, n1);
+      rows(xq, Int4Chunk{pp, K}, sp, op, yp, N, G, n0, n1);
     });
   });
   return y;

@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from ..host_memory import move_to_huge_pages_
 from ..kernels import quant_amx_kernels, quant_cpu_kernels, quant_vnni_kernels, triton_available
 from .weights import FP8_MAX, Fp8Weight, Int4Weight, Int8Weight, QuantizedWeight, exact_scales
 
@@ -151,6 +152,7 @@ class CpuInt8LinearKernel(_NativeCpuKernel):
 
     def __init__(self, weight: Int8Weight, dtype: torch.dtype):
         self.q = weight.q.contiguous()
+        move_to_huge_pages_(self.q)
         self.scale = exact_scales(weight.group_scale)
         super().__init__(few_row_gemvs(weight.shape[1] // self.scale.shape[1])[0])
 
@@ -178,6 +180,7 @@ class CpuInt4LinearKernel(_NativeCpuKernel):
     def __init__(self, weight: Int4Weight, dtype: torch.dtype):
         self.input_perm = weight.input_perm
         self.packed = weight.packed.contiguous()
+        move_to_huge_pages_(self.packed)
         self.scale, self.offset = exact_scales(weight.scale, weight.offset)
         super().__init__(few_row_gemvs(weight.group_size)[1])
 
