@@ -89,7 +89,7 @@ class ScaledPagedAttention(TorchPagedAttention):
 class CpuInt8PagedAttention(ScaledPagedAttention):
     """KV writes and decode attention by `kernels/cpu_attention_kernels.cpp` on the int8 cache itself (bf16 on
     CPU): keys and values dequantized in registers, where the reference gathers a dequantized copy of every
-    context. Prefill over a cached context still takes the reference."""
+    context. Prefill over a cached context attends over such a copy, gathered and dequantized in one pass."""
 
     def __init__(self, scale: float, kernels):
         super().__init__(scale)
@@ -97,6 +97,10 @@ class CpuInt8PagedAttention(ScaledPagedAttention):
 
     def write_kv(self, k, v, kv_cache: ScaledKVCache, meta) -> None:
         self.kernels.write_kv_int8(k, v, kv_cache.data, kv_cache.scale, meta.slot_blocks, meta.slot_offsets)
+
+    def gather(self, kv_cache: ScaledKVCache, block_tables: torch.Tensor, length: int):
+        return tuple(self.kernels.gather_int8_bf16(kv_cache.data, kv_cache.scale, i, block_tables, length)
+                     for i in (0, 1))
 
     def decode(self, q, kv_cache: ScaledKVCache, meta) -> torch.Tensor:
         return self.kernels.paged_decode_attention_int8(q.contiguous(), kv_cache.data, kv_cache.scale,

@@ -112,6 +112,22 @@ def test_native_int8_write_stores_the_references_values_and_scales_from_a_fused_
 
 
 @needs_avx512_bf16
+@pytest.mark.parametrize("length", [1, 16, 45, 160])
+def test_native_int8_gather_dequantizes_exactly_as_the_reference(length):
+    torch.manual_seed(length)
+    kv_heads, head_dim, block_size, num_blocks = 3, 64, 16, 40
+    cache = _int8_cache(num_blocks, kv_heads, block_size, head_dim)
+    cache.data.copy_(torch.randint(-127, 128, cache.data.shape, dtype=torch.int8))
+    cache.scale.copy_((torch.rand(cache.scale.shape) * 0.05 + 1e-3).bfloat16())
+    tables = torch.stack([torch.randperm(num_blocks)[:10] for _ in range(3)])  # three sequences' blocks
+    want = ScaledPagedAttention(1.0).gather(cache, tables, length)
+    got = CpuInt8PagedAttention(1.0, cpu_kernels()).gather(cache, tables, length)
+    for w, g in zip(want, got, strict=True):
+        assert g.shape == (3, kv_heads, length, head_dim) and g.dtype == torch.bfloat16
+        assert torch.equal(w, g)
+
+
+@needs_avx512_bf16
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(12, 4, 64), (8, 8, 32), (16, 2, 128)])
 def test_native_int8_decode_attention_matches_the_dequantizing_reference(heads, kv_heads, head_dim):
     torch.manual_seed(heads)

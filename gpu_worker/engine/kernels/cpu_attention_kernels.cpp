@@ -233,3 +233,39 @@ void write_kv_int8(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor
                   quantize_row(vs, D, data + values + dst * D, scale + scales + dst);
                 });
 }
+
+// The int8 cache's keys (which = 0) or values (1) of `length` tokens through each row's block table, dequantized to
+// bf16 in one pass: [B, KVH, length, D], what the reference's gather computes (q as bf16 times the row's bf16
+// scale, rounded). Prefill over a cached context attends over this copy; the reference's gather, dequantize and
+// multiply took four passes in torch's bf16 ops.
+torch::Tensor gather_int8_bf16(const torch::Tensor& kv_data, const torch::Tensor& kv_scale, int64_t which,
+                               const torch::Tensor& block_tables, int64_t length) {
+  TORCH_CHECK(kv_data.is_contiguous() && kv_scale.is_contiguous() && kv_data.scalar_type() == at::kChar &&
+                  kv_scale.scalar_type() == at::kBFloat16 && kv_data.size(4) % 16 == 0 && (which == 0 || which == 1),
+              "an int8 cache with bf16 scales, contiguous, head_dim % 16 == 0");
+  const int64_t KVH = kv_data.size(2), bs = kv_data.size(3), D = kv_data.size(4);
+  auto tables = block_tables.to(torch::kInt64).contiguous();
+  const int64_t B = tables.size(0), max_blocks = tables.size(1);
+  TORCH_CHECK(length <= max_blocks * bs, "length ", length, " is past the block tables' ", max_blocks * bs, " tokens");
+  auto out = torch::empty({B, KVH, length, D}, kv_scale.options());
+  const int8_t* data = kv_data.data_ptr<int8_t>() + which * kv_data[0].numel();
+  const auto* scales = static_cast<const uint16_t*>(kv_scale.data_ptr()) + which * kv_scale[0].numel();
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  auto* op = static_cast<uint16_t*>(out.data_ptr());
+  const int64_t blocks = (length + bs - 1) / bs;
+#pragma omp parallel for schedule(static) collapse(2) if (B * KVH * length * D >= kMinParallelElements)
+  for (int64_t b = 0; b < B * KVH; b++) {
+    for (int64_t blk = 0; blk < blocks; blk++) {
+      const int64_t row0 = (tp[(b / KVH) * max_blocks + blk] * KVH + b % KVH) * bs;
+      for (int64_t t = blk * bs; t < std::min(length, (blk + 1) * bs); t++) {
+        const int64_t r = row0 + t - blk * bs;
+        const __m512 s = _mm512_set1_ps(bf16_to_float(scales[r]));
+        for (int64_t d = 0; d < D; d += 16) {
+          const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(data + r * D + d))));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(op + (b * length + t) * D + d), to_bf16x16(_mm512_mul_ps(q, s)));
+        }
+      }
+    }
+  }
+  return out;
+}

@@ -85,3 +85,5 @@ void write_kv_bf16(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor
                    const torch::Tensor& slot_blocks, const torch::Tensor& slot_offsets);
 void write_kv_int8(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& kv_data, torch::Tensor& kv_scale,
                    const torch::Tensor& slot_blocks, const torch::Tensor& slot_offsets);
+torch::Tensor gather_int8_bf16(const torch::Tensor& kv_data, const torch::Tensor& kv_scale, int64_t which,
+                               const torch::Tensor& block_tables, int64_t length);
