@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .host_memory import huge_page_zeros
+from .host_memory import zeros_streamed
 from .kv_cache_manager import cdiv
 
 
@@ -93,9 +93,7 @@ def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_
                       dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
     # Head-major within a block: one head's rows of a block are contiguous, so a decode kernel streams them.
     shape = (2, num_blocks, num_kv_heads, block_size, head_dim)
-    if device.type == "cpu":
-        return [huge_page_zeros(shape, dtype) for _ in range(num_layers)]
-    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+    return [zeros_streamed(shape, dtype, device) for _ in range(num_layers)]
 
 
 class TorchPagedAttention:

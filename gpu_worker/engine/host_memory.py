@@ -32,7 +32,10 @@ def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return raw[offset:offset + nbytes].view(dtype).view(shape)
 
 
-def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def zeros_streamed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros for memory every step reads (a KV cache): on huge pages on CPU, plain on other devices."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
     return huge_page_empty(shape, dtype).zero_()
 
 

@@ -15,6 +15,7 @@ import torch
 
 from .attention import CpuPagedAttention, TorchPagedAttention, _gather, allocate_kv_cache
 from .errors import ModelLoadError
+from .host_memory import zeros_streamed
 from .kernels import cpu_kernels, triton_available
 from .model import Transformer
 from .quantization.weights import FP8_MAX
@@ -138,9 +139,8 @@ class ScaledKVFormat:
 
     def allocate(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  device: torch.device) -> list:
-        return [ScaledKVCache(torch.zeros(2, num_blocks, num_kv_heads, block_size, head_dim, dtype=self.storage,
-                                          device=device),
-                              torch.zeros(2, num_blocks, num_kv_heads, block_size, dtype=self.dtype, device=device))
+        return [ScaledKVCache(zeros_streamed((2, num_blocks, num_kv_heads, block_size, head_dim), self.storage, device),
+                              zeros_streamed((2, num_blocks, num_kv_heads, block_size), self.dtype, device))
                 for _ in range(num_layers)]
 
     def install(self, model: Transformer, device: torch.device) -> None:
