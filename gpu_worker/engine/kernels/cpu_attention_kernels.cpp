@@ -261,7 +261,7 @@ torch::Tensor gather_int8_bf16(const torch::Tensor& kv_data, const torch::Tensor
         const int64_t r = row0 + t - blk * bs;
         const __m512 s = _mm512_set1_ps(bf16_to_float(scales[r]));
         for (int64_t d = 0; d < D; d += 16) {
-          const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(data + r * D + d))));
+          const __m512 q = Int8Rows::int8x16(data + r * D + d);
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(op + (b * length + t) * D + d), to_bf16x16(_mm512_mul_ps(q, s)));
         }
       }

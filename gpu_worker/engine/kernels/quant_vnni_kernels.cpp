@@ -11,8 +11,8 @@
 //
 // vpdpbusd multiplies unsigned by signed bytes. int4's q (0 .. 15) is unsigned as it is. int8's q is signed:
 // the kernel flips its top bit (q + 128, unsigned) and serves it in int4's form, with the offset -128 * scale
-// applied to x's group sums once per row. A chunk's sum started at -128 * sum(x's four bytes per lane) instead
-// cost a fourth load per 64 weights: 0.8x this form's speed streaming SmolLM2's matrices on a Zen 4.
+// applied to x's group sums once per row, as the GEMM does: one load per 64 weights fewer than starting each
+// chunk's sum at -128 * sum(x's four bytes per lane) (no faster streaming from DRAM on a Zen 4, measured).
 //
 // Weights are the canonical forms of gpu_worker/engine/quantization/weights.py, [N, K] row-major:
 //   int8: q int8 [N, K], scale [N, K/G]: w = q * scale over each group of G inputs (G = K: one per channel).
@@ -105,9 +105,10 @@ inline void zero(__m512 (&acc)[R][M]) {
     for (auto& v : a) v = _mm512_setzero_ps();
 }
 
-// Rows [n, n + R) of y = x @ W.T for x's rows [m0, m0 + M), left as vectors to sum: totals[m][slot + r]. Each chunk's product takes its weight groups' scales: G = 32, a chunk spans
-// two groups (scaled per chunk); G % 64 == 0, a group spans whole chunks (scaled once per group). The offsets
-// (int4's `offset`; int8's -128 * scale) multiply x's group sums.
+// Rows [n, n + R) of y = x @ W.T for x's rows [m0, m0 + M), left as vectors to sum: totals[m][slot + r]. Each
+// chunk's product takes its weight groups' scales: G = 32, a chunk spans two groups (scaled per chunk);
+// G % 64 == 0, a group spans whole chunks (scaled once per group). The offsets (int4's `offset`; int8's
+// -128 * scale) multiply x's group sums.
 template <int R, int M, typename S, typename Chunk>
 inline void row_block(const QuantizedX& x, const Chunk& chunk, const S* scale, const S* offset, __m512 (&totals)[M][16],
                       int64_t G, int64_t m0, int64_t n, int64_t slot) {
