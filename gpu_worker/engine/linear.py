@@ -3,7 +3,9 @@
 On CPU, bf16 `F.linear` re-lays out its weight for oneDNN on every call; packing it once at load time
 (the layout inductor's CPU freezing uses) runs the same math 1.3-1.9x faster here. For a single row
 (batch-1 decode, memory-bound) our AVX512-BF16 loop in `kernels/cpu_kernels.cpp` reads weights ~1.5x
-faster still. The reference stays the default everywhere else and is what exactness tests compare against.
+faster still. On CPUs without native bf16 products (plain AVX2), where oneDNN will not pack bf16, the weight is
+widened to float32 as it is read. The reference stays the default everywhere else and is what exactness tests
+compare against.
 Quantized weights plug in as more kernels (`quantization/kernels.py`), each holding its own weight.
 """
 
@@ -15,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .kernels import cpu_kernels
+from .kernels import cpu_kernels, quant_cpu_kernels
 from .quantization.kernels import quantized_linear_kernel
 from .quantization.weights import QuantizedWeight
 
@@ -41,6 +43,24 @@ class OneDnnPackedLinearKernel:
     @staticmethod
     def supports(weight: torch.Tensor) -> bool:
         return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and onednn_packs_bf16()
+
+
+class WidenedBf16LinearKernel:
+    """bf16 weights on CPUs without native bf16 products (plain AVX2), where oneDNN will not pack them and torch's
+    bf16 linear ran at 5.5 GFLOP/s (float32: 26-30) on a Zen 1: `kernels/quant_cpu_kernels.cpp` widens the weight
+    to float32 as it reads it (a GEMV for a few rows, float32 tiles for more), keeping only the bf16 copy."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.native = quant_cpu_kernels()
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        y = self.native.bf16_mm(x, weight)
+        return y if bias is None else y + bias
+
+    @staticmethod
+    def supports(weight: torch.Tensor) -> bool:
+        return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.shape[1] % 32 == 0
+                and not onednn_packs_bf16() and quant_cpu_kernels() is not None)
 
 
 @functools.cache
@@ -79,8 +99,12 @@ class Linear(nn.Linear):
 
     def pack(self) -> None:
         """Prepack the loaded weight for the CPU kernel; the original stays for tied embeddings."""
-        if self.weight is not None and OneDnnPackedLinearKernel.supports(self.weight):
-            self.kernel = OneDnnPackedLinearKernel(self.weight)
+        if self.weight is None:
+            return
+        for kernel in (OneDnnPackedLinearKernel, WidenedBf16LinearKernel):
+            if kernel.supports(self.weight):
+                self.kernel = kernel(self.weight)
+                return
 
     def quantize(self, weight: QuantizedWeight, dtype: torch.dtype, device: torch.device,
                  shares_weight: bool = False) -> None:

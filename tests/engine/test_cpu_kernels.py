@@ -7,8 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from gpu_worker.engine.attention import AttentionMetadata, CpuPagedAttention, TorchPagedAttention
-from gpu_worker.engine.kernels import cpu_has_avx512_bf16, cpu_kernels
-from gpu_worker.engine.linear import Linear, OneDnnPackedLinearKernel, onednn_packs_bf16
+from gpu_worker.engine.kernels import cpu_has_avx512_bf16, cpu_kernels, quant_cpu_kernels
+from gpu_worker.engine.linear import (Linear, OneDnnPackedLinearKernel, TorchLinearKernel, WidenedBf16LinearKernel,
+                                      onednn_packs_bf16)
 from tests.kernel_inputs import decode_metadata
 
 needs_avx512_bf16 = pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="the native kernels need AVX512-BF16")
@@ -34,20 +35,21 @@ def test_batch1_gemv_matches_the_reference():
         _assert_close_in_bf16(cpu_kernels().gemv_bf16(x, w), F.linear(x.float(), w.float()))
 
 
-def test_bf16_layers_keep_the_reference_kernel_where_onednn_cannot_pack_bf16():
+def test_bf16_layers_are_widened_to_float32_where_onednn_cannot_pack_bf16():
     layer = Linear(64, 32).to(torch.bfloat16)
     layer.pack()
-    assert isinstance(layer.kernel, OneDnnPackedLinearKernel) == onednn_packs_bf16()
+    expected = OneDnnPackedLinearKernel if onednn_packs_bf16() else WidenedBf16LinearKernel
+    assert isinstance(layer.kernel, expected) or quant_cpu_kernels() is None  # no AVX2: the reference serves
 
 
-@pytest.mark.skipif(not onednn_packs_bf16(), reason="oneDNN packs bf16 weights only on CPUs with native bf16")
+@pytest.mark.skipif(not onednn_packs_bf16() and quant_cpu_kernels() is None,
+                    reason="bf16 weights keep the reference on a CPU with neither native bf16 nor AVX2")
 @pytest.mark.parametrize("rows", [1, 3, 64])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_matches_the_reference_for_any_row_count(rows, bias):
     torch.manual_seed(rows)
     layer = Linear(256, 96, bias=bias).to(torch.bfloat16)
     layer.pack()
-    assert isinstance(layer.kernel, OneDnnPackedLinearKernel)
     x = torch.randn(rows, 256, dtype=torch.bfloat16)
     with torch.inference_mode():
         want = F.linear(x.float(), layer.weight.float(), None if layer.bias is None else layer.bias.float())
@@ -57,7 +59,7 @@ def test_packed_linear_matches_the_reference_for_any_row_count(rows, bias):
 def test_float32_layers_keep_the_reference_kernel():
     layer = Linear(64, 32)
     layer.pack()
-    assert not isinstance(layer.kernel, OneDnnPackedLinearKernel)
+    assert isinstance(layer.kernel, TorchLinearKernel)
 
 
 @needs_avx512_bf16

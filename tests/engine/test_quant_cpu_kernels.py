@@ -1,5 +1,5 @@
 """The int8 / int4 kernels (kernels/quant_cpu_kernels.cpp), few-row and many-row, against the dequantized weight's
-matmul."""
+matmul; and the bf16 product for CPUs without native bf16, against the float matmul."""
 
 from __future__ import annotations
 
@@ -70,9 +70,11 @@ def test_int4_matches_the_dequantized_matmul(n, k, group_size, m, dtype):
     _assert_matches(_int4_gemv(x, weight), x, weight.dequantize())
 
 
-def _assert_matches_bf16_tiles(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
-    """The many-row path multiplies bf16 x by the weight rounded to bf16, accumulating in fp32."""
-    want = x.bfloat16().double() @ w.bfloat16().double().T
+def _assert_matches_tiles(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    """The many-row path multiplies x by the weight in the tiles' dtype (bf16 where the CPU multiplies bf16
+    natively, float32 elsewhere), accumulating in fp32."""
+    tile_dtype = getattr(torch, quant_cpu_kernels().tile_dtype())
+    want = x.to(tile_dtype).double() @ w.to(tile_dtype).double().T
     scale = x.double().abs() @ w.double().abs().T
     err = (got.double() - want).abs()
     assert got.dtype == x.dtype and got.shape == want.shape
@@ -86,9 +88,17 @@ def test_many_rows_match_the_dequantized_matmul(n, k, m):
     x = _x(m, k).bfloat16()
     int8, int4 = quantize_int8(w), quantize_int4(w, 32)
     kernels = quant_cpu_kernels()
-    _assert_matches_bf16_tiles(kernels.int8_dequant_mm(x, int8.q, int8.group_scale.bfloat16()), x, int8.dequantize())
+    _assert_matches_tiles(kernels.int8_dequant_mm(x, int8.q, int8.group_scale.bfloat16()), x, int8.dequantize())
     got = kernels.int4_dequant_mm(x, int4.packed, int4.scale.bfloat16(), int4.offset.bfloat16())
-    _assert_matches_bf16_tiles(got, x, int4.dequantize())
+    _assert_matches_tiles(got, x, int4.dequantize())
+
+
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 64])
+@pytest.mark.parametrize(("n", "k"), [(7, 64), (1000, 576), (32000, 256)])
+def test_bf16_weights_widened_to_float32_match_the_float_matmul(n, k, m):
+    w = seeded_weight(n, k).bfloat16()
+    for x in (_x(m, k), _x(m, k).bfloat16()):
+        _assert_matches(quant_cpu_kernels().bf16_mm(x, w), x, w.float())
 
 
 def test_up_to_eight_rows_and_bf16_scales():

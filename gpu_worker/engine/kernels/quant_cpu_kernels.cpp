@@ -6,8 +6,9 @@
 //   ops (aten._weight_int8pack_mm, aten._weight_int4pack_mm_for_cpu) reached only ~8 GB/s at M = 1 on a 2-core
 //   AMD EPYC (Zen 3), slower per step than bf16 F.linear reading twice the bytes.
 // - Many rows (prefill chunks, large batches): bound by arithmetic. The weight is dequantized tile by tile into a
-//   bf16 buffer that stays in cache and multiplied by oneDNN's bf16 matmul, so the dequantization is paid once
-//   for all rows (the weight-only ops redo it per row: 5-10x slower than bf16 at 32-256 rows).
+//   buffer that stays in cache (bf16 where the CPU multiplies bf16 natively, float32 elsewhere) and multiplied
+//   by oneDNN's matmul, so the dequantization is paid once for all rows (the weight-only ops redo it per row:
+//   5-10x slower than bf16 at 32-256 rows).
 //
 // Weights are the canonical forms of gpu_worker/engine/quantization/weights.py, [N, K] row-major:
 //   int8: q int8 [N, K], scale [N, K/G]: w = q * scale over each group of G inputs (G = K: one per channel).
@@ -21,11 +22,19 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "quant_common.h"
 
 namespace {
+
+inline float bf16_to_float(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
 
 // bf16 rounded to nearest even, for dequantized weights, which are finite (no NaN case: branch-free, so the
 // dequantization loops vectorize).
@@ -53,6 +62,20 @@ constexpr int kChains = M <= 2 ? 4 : M <= 4 ? 2 : 1;
 inline __m256 int8x8(const int8_t* q) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))));
 }
+
+// Eight inputs of one bf16 row, as floats.
+inline __m256 load8(const uint16_t* w) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+inline __m256 load8(const int8_t* q) { return int8x8(q); }
+
+// The scale of a dense bf16 weight: one, read as the int8 rows read their group scales.
+struct UnitScale {
+  UnitScale operator+(int64_t) const { return {}; }
+};
+inline float load_float(UnitScale) { return 1.0f; }
 
 // Eight inputs of one int4 row, as floats q (0 .. 15).
 // The little-endian 32-bit word at byte 4c holds inputs 8c .. 8c + 7 as its nibbles 0 .. 7, in order: broadcast
@@ -85,13 +108,13 @@ inline __m256 chains_sum(const __m256 (&acc)[kChains<M>]) {
   return s;
 }
 
-// Rows [n0, n1) of y = x @ (q * scale).T, a scale per group of G inputs (G = K: one per row). G % 32 == 0.
-template <int M, typename S, typename Y>
-void int8_rows(const float* x, const int8_t* q, const S* scale, Y* y, int64_t N, int64_t K, int64_t G, int64_t n0,
-               int64_t n1) {
+// Rows [n0, n1) of y = x @ (q * scale).T, a scale per group of G inputs (G = K: one per row), q int8 or bf16
+// (with a UnitScale). G % 32 == 0.
+template <int M, typename Q, typename S, typename Y>
+void int8_rows(const float* x, const Q* q, S scale, Y* y, int64_t N, int64_t K, int64_t G, int64_t n0, int64_t n1) {
   const int64_t groups = K / G;
   for (int64_t n = n0; n < n1; n++) {
-    const int8_t* row = q + n * K;
+    const Q* row = q + n * K;
     __m256 out[M];
     for (auto& o : out) o = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
@@ -99,7 +122,7 @@ void int8_rows(const float* x, const int8_t* q, const S* scale, Y* y, int64_t N,
       for (auto& a : acc)
         for (auto& c : a) c = _mm256_setzero_ps();
       for (int64_t k = g * G; k < (g + 1) * G; k += 32) {
-        const __m256 w[4] = {int8x8(row + k), int8x8(row + k + 8), int8x8(row + k + 16), int8x8(row + k + 24)};
+        const __m256 w[4] = {load8(row + k), load8(row + k + 8), load8(row + k + 16), load8(row + k + 24)};
         fma32<M>(acc, w, x, K, k);
       }
       const __m256 s = _mm256_set1_ps(load_float(scale + n * groups + g));
@@ -177,22 +200,39 @@ void int4_run_plain(const uint8_t* p, float scale, float offset, uint16_t* d, in
   }
 }
 
-const bool kHasAvx512Bf16 = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw");
-const auto int8_run = kHasAvx512Bf16 ? int8_run_avx512 : int8_run_plain;
-const auto int4_run = kHasAvx512Bf16 ? int4_run_avx512 : int4_run_plain;
+// The same runs into float32 tiles (no rounding: these loops vectorize as written).
+void int8_run(const int8_t* q, float scale, float* d, int64_t n) {
+  for (int64_t k = 0; k < n; k++) d[k] = static_cast<float>(q[k]) * scale;
+}
 
-// Rows [n0, n1) of the dequantized weight, as bf16, into out [n1 - n0, K].
-template <typename S>
-void int8_dequant_rows(const int8_t* q, const S* scale, uint16_t* out, int64_t K, int64_t G, int64_t n0,
-                       int64_t n1) {
+void int4_run(const uint8_t* p, float scale, float offset, float* d, int64_t n) {
+  for (int64_t i = 0; i < n / 2; i++) {
+    d[2 * i] = static_cast<float>(p[i] & 0xF) * scale + offset;
+    d[2 * i + 1] = static_cast<float>(p[i] >> 4) * scale + offset;
+  }
+}
+
+const bool kHasAvx512Bf16 = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw");
+void (*const int8_run_bf16)(const int8_t*, float, uint16_t*, int64_t) =
+    kHasAvx512Bf16 ? int8_run_avx512 : int8_run_plain;
+void (*const int4_run_bf16)(const uint8_t*, float, float, uint16_t*, int64_t) =
+    kHasAvx512Bf16 ? int4_run_avx512 : int4_run_plain;
+void int8_run(const int8_t* q, float scale, uint16_t* d, int64_t n) { int8_run_bf16(q, scale, d, n); }
+void int4_run(const uint8_t* p, float scale, float offset, uint16_t* d, int64_t n) {
+  int4_run_bf16(p, scale, offset, d, n);
+}
+
+// Rows [n0, n1) of the dequantized weight, as bf16 or float32 (T), into out [n1 - n0, K].
+template <typename S, typename T>
+void int8_dequant_rows(const int8_t* q, const S* scale, T* out, int64_t K, int64_t G, int64_t n0, int64_t n1) {
   const int64_t groups = K / G;
   for (int64_t n = n0; n < n1; n++)
     for (int64_t g = 0; g < groups; g++)
       int8_run(q + n * K + g * G, load_float(scale + n * groups + g), out + (n - n0) * K + g * G, G);
 }
 
-template <typename S>
-void int4_dequant_rows(const uint8_t* packed, const S* scale, const S* offset, uint16_t* out, int64_t K, int64_t G,
+template <typename S, typename T>
+void int4_dequant_rows(const uint8_t* packed, const S* scale, const S* offset, T* out, int64_t K, int64_t G,
                        int64_t n0, int64_t n1) {
   const int64_t groups = K / G;
   for (int64_t n = n0; n < n1; n++)
@@ -202,24 +242,25 @@ void int4_dequant_rows(const uint8_t* packed, const S* scale, const S* offset, u
 }
 
 // y = x @ W.T for many rows of x (prefill chunks, large decode batches), W dequantized a tile of rows at a time
-// into a bf16 buffer and multiplied by oneDNN's bf16 matmul (AMX / AVX512-BF16 where the CPU has them): the
-// dequantization is paid once per call for all rows, where the weight-only ops redo it per row (they ran
-// 5-10x slower than bf16 at 32-256 rows). Tiles of up to kTileWeights hold a small model's whole matrix, so
-// most calls are one dequantization and one x @ W.T straight into y (larger models' tiles write into y's
-// columns in place); at 1024 rows this runs as fast as bf16's prepacked matmul, where the former ~1 MiB
-// tiles' W @ x.T and the transpose of y it needed cost twice the matmul itself. The buffer is the calling
-// thread's, kept between calls. `dequant(buffer, n0, n1)` writes rows [n0, n1) of W.
+// into a buffer and multiplied by oneDNN's matmul: the dequantization is paid once per call for all rows, where
+// the weight-only ops redo it per row (they ran 5-10x slower than bf16 at 32-256 rows). The tiles are bf16 where
+// the CPU multiplies bf16 natively (AMX / AVX512-BF16) and float32 elsewhere: on a plain AVX2 CPU (a Zen 1)
+// oneDNN's bf16 matmul ran at 5.5 GFLOP/s against 26-30 in float32. Tiles of up to kTileWeights hold a small
+// model's whole matrix, so most calls are one dequantization and one x @ W.T straight into y (larger models'
+// tiles write into y's columns in place); at 1024 rows this runs as fast as bf16's prepacked matmul, where the
+// former ~1 MiB tiles' W @ x.T and the transpose of y it needed cost twice the matmul itself. The buffer is the
+// calling thread's, kept between calls. `dequant(buffer, n0, n1)` writes rows [n0, n1) of W as T.
 constexpr int64_t kTileWeights = int64_t{4} << 20;
-template <typename F>
+template <typename T, typename F>
 torch::Tensor tiled_dequant_mm(const torch::Tensor& x, int64_t N, int64_t K, F&& dequant) {
   const int64_t M = x.size(0);
   const int64_t tile = std::min<int64_t>(N, std::max<int64_t>(16, kTileWeights / K / 16 * 16));
-  thread_local std::vector<uint16_t> storage;
+  thread_local std::vector<T> storage;
   storage.resize(std::max<size_t>(storage.size(), tile * K));
-  const auto xb = x.to(at::kBFloat16).contiguous();
-  auto buffer = torch::from_blob(storage.data(), {tile, K}, xb.options());
+  const auto xt = x.to(std::is_same_v<T, float> ? at::kFloat : at::kBFloat16).contiguous();
+  auto buffer = torch::from_blob(storage.data(), {tile, K}, xt.options());
   auto* bp = storage.data();
-  torch::Tensor y = N == tile ? torch::Tensor() : torch::empty({M, N}, xb.options());
+  torch::Tensor y = N == tile ? torch::Tensor() : torch::empty({M, N}, xt.options());
   for (int64_t n0 = 0; n0 < N; n0 += tile) {
     const int64_t rows = std::min(tile, N - n0);
 #pragma omp parallel
@@ -233,13 +274,19 @@ torch::Tensor tiled_dequant_mm(const torch::Tensor& x, int64_t N, int64_t K, F&&
       dequant(bp + (a - n0) * K, a, b);
     }
     if (N == tile) {
-      y = at::mm(xb, buffer.t());
+      y = at::mm(xt, buffer.t());
     } else {
       auto out = y.narrow(1, n0, rows);
-      at::mm_out(out, xb, buffer.narrow(0, 0, rows).t());
+      at::mm_out(out, xt, buffer.narrow(0, 0, rows).t());
     }
   }
-  return x.scalar_type() == at::kBFloat16 ? y : y.to(x.scalar_type());
+  return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
+}
+
+// Calls body(T*) with a null pointer of the tiles' element type on this CPU, returning what it returns.
+template <typename F>
+auto dispatch_tile_type(F&& body) {
+  return kHasAvx512Bf16 ? body(static_cast<uint16_t*>(nullptr)) : body(static_cast<float*>(nullptr));
 }
 
 }  // namespace
@@ -290,15 +337,18 @@ torch::Tensor int4_gemv(const torch::Tensor& x, const torch::Tensor& packed, con
   return y;
 }
 
-// The same products for any M (prefill chunks, large batches), through dequantized bf16 tiles.
+// The same products for any M (prefill chunks, large batches), through dequantized tiles.
 torch::Tensor int8_dequant_mm(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale) {
   const Int8Weight w = int8_weight(q, scale);
   const int8_t* qp = w.q;
   const int64_t N = w.N, K = w.K, G = w.G;
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x must be [M, ", K, "], got ", x.sizes());
   return dispatch_scale(w.scale, [&](auto* sp) {
-    return tiled_dequant_mm(x, N, K, [&](uint16_t* out, int64_t a, int64_t b) {
-      int8_dequant_rows(qp, sp, out, K, G, a, b);
+    return dispatch_tile_type([&](auto* tile) {
+      using T = std::remove_pointer_t<decltype(tile)>;
+      return tiled_dequant_mm<T>(x, N, K, [&](T* out, int64_t a, int64_t b) {
+        int8_dequant_rows(qp, sp, out, K, G, a, b);
+      });
     });
   });
 }
@@ -311,11 +361,46 @@ torch::Tensor int4_dequant_mm(const torch::Tensor& x, const torch::Tensor& packe
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x must be [M, ", K, "], got ", x.sizes());
   return dispatch_scale(w.scale, [&](auto* sp) {
     const auto* op = reinterpret_cast<decltype(sp)>(w.offset.data_ptr());
-    return tiled_dequant_mm(x, N, K, [&](uint16_t* out, int64_t a, int64_t b) {
-      int4_dequant_rows(pp, sp, op, out, K, G, a, b);
+    return dispatch_tile_type([&](auto* tile) {
+      using T = std::remove_pointer_t<decltype(tile)>;
+      return tiled_dequant_mm<T>(x, N, K, [&](T* out, int64_t a, int64_t b) {
+        int4_dequant_rows(pp, sp, op, out, K, G, a, b);
+      });
     });
   });
 }
+
+// y [M, N] = x [M, K] @ w.T for a bf16 weight [N, K] on CPUs without native bf16 products, where torch's bf16
+// linear ran at 4-7 GB/s of weights at one row and 5.5 GFLOP/s at many (a Zen 1): the GEMV for M <= 8, float32
+// tiles beyond.
+torch::Tensor bf16_mm(const torch::Tensor& x, const torch::Tensor& w) {
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kBFloat16 && w.dim() == 2 && w.is_contiguous() &&
+                  w.size(1) % 32 == 0, "w must be a contiguous bfloat16 [N, K] CPU tensor, K % 32 == 0");
+  const int64_t N = w.size(0), K = w.size(1);
+  const auto* wp = static_cast<const uint16_t*>(w.data_ptr());
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x must be [M, ", K, "], got ", x.sizes());
+  if (x.size(0) > kMaxRowsAtOnce) {
+    return tiled_dequant_mm<float>(x, N, K, [&](float* out, int64_t a, int64_t b) {
+      for (int64_t i = a * K; i < b * K; i++) out[i - a * K] = bf16_to_float(wp[i]);
+    });
+  }
+  check_x(x, K);
+  std::vector<float> x_buffer;
+  const float* xp = x_as_fp32(x, x_buffer);
+  auto y = torch::empty({x.size(0), N}, x.options());
+  const auto gemv = [&](auto* yp) {
+    dispatch_rows(x.size(0), [&](auto rows) {
+      parallel_rows(N, K, [&](int64_t n0, int64_t n1) { int8_rows<rows()>(xp, wp, UnitScale(), yp, N, K, K, n0, n1); });
+    });
+  };
+  if (y.scalar_type() == at::kBFloat16) gemv(y.data_ptr<at::BFloat16>());
+  else gemv(y.data_ptr<float>());
+  return y;
+}
+
+// "bfloat16" or "float32": the tiles' element type on this CPU (the precision of the weights the many-row
+// products multiply).
+std::string tile_dtype() { return kHasAvx512Bf16 ? "bfloat16" : "float32"; }
 
 // Each row of x [M, K] as int8 with its own scale, max |x| / 127 (symmetric, per token): the activations of an
 // int8 x int8 matmul. Returns (q int8 [M, K], scale float32 [M, 1]); x = q * scale within half a step.
@@ -344,7 +429,9 @@ std::vector<torch::Tensor> quantize_rows(const torch::Tensor& x) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_gemv", &int8_gemv, "y [M, N] = x [M, K] @ (q * scale).T per group, M <= 8, K % 32 == 0");
   m.def("int4_gemv", &int4_gemv, "y [M, N] = x [M, K] @ (q * scale + offset).T per group, M <= 8");
-  m.def("int8_dequant_mm", &int8_dequant_mm, "int8_gemv for any M, through dequantized bf16 tiles");
-  m.def("int4_dequant_mm", &int4_dequant_mm, "int4_gemv for any M, through dequantized bf16 tiles");
+  m.def("int8_dequant_mm", &int8_dequant_mm, "int8_gemv for any M, through dequantized tiles");
+  m.def("int4_dequant_mm", &int4_dequant_mm, "int4_gemv for any M, through dequantized tiles");
+  m.def("bf16_mm", &bf16_mm, "y [M, N] = x [M, K] @ w.T, w bf16, for CPUs without native bf16 products");
+  m.def("tile_dtype", &tile_dtype, "the element type of the many-row products' dequantized tiles here");
   m.def("quantize_rows", &quantize_rows, "(q int8 [M, K], scale [M, 1]): each row of x symmetric per token");
 }

@@ -76,15 +76,18 @@ class OneDnnInt8LinearKernel:
 
 @functools.cache
 def onednn_int8_matmul() -> bool:
-    """Whether this torch's oneDNN runs int8 x int8 linears here (it needs VNNI or AMX, or at least AVX2)."""
+    """Whether this torch's oneDNN multiplies int8 x int8 exactly here. With VNNI or AMX it does; on plain AVX2
+    its kernels add 128 to the activations and multiply pairs into saturating 16-bit sums (vpmaddubsw): 127 x 127
+    over 32 inputs came out 4 080 instead of 516 128 on a Zen 1, so there w8a8 falls to the weight-only kernels."""
+    x = torch.full((1, 32), 127, dtype=torch.int8)
+    w = torch.full((32, 32), 127, dtype=torch.int8)
     try:
-        packed = torch.ops.onednn.qlinear_prepack(torch.ones(32, 32, dtype=torch.int8), [1, 32])
-        y = torch.ops.onednn.qlinear_pointwise(torch.ones(1, 32, dtype=torch.int8), 1.0, 0, packed, torch.ones(32),
-                                               torch.zeros(32, dtype=torch.int64), None, 1.0, 0, torch.float32,
-                                               "none", [], "")
+        packed = torch.ops.onednn.qlinear_prepack(w, [1, 32])
+        y = torch.ops.onednn.qlinear_pointwise(x, 1.0, 0, packed, torch.ones(32), torch.zeros(32, dtype=torch.int64),
+                                               None, 1.0, 0, torch.float32, "none", [], "")
     except (RuntimeError, AttributeError):
         return False
-    return bool((y == 32).all())
+    return bool((y == 32 * 127 * 127).all())
 
 
 def few_row_gemvs(group_size: int) -> tuple[tuple[Callable, int], tuple[Callable, int]]:

@@ -9,6 +9,7 @@ import torch
 
 from ..errors import ModelLoadError
 from .formats import KERNEL_GROUP_SIZES, CheckpointFormat
+from .kernels import onednn_int8_matmul
 from .weights import QuantizedWeight, fake_quantize_int4, quantize_fp8, quantize_int4, quantize_int8
 
 QUANTIZATION_METHODS = ("int8", "int4", "fp8", "w8a8")
@@ -80,4 +81,6 @@ def load_time_quantizer(requested: str | None, checkpoint_format: CheckpointForm
     if requested == "fp8" and not (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)):
         raise ModelLoadError("fp8 weights need a CUDA GPU with FP8 row-wise matmuls (compute capability 9.0: "
                              "H100, H200); elsewhere use int8 or int4")
+    if requested == "w8a8" and device.type == "cpu" and not onednn_int8_matmul():
+        log.warning("oneDNN's int8 matmul is not exact on this CPU (no VNNI); w8a8 is served as weight-only int8")
     return WeightQuantizer(requested)
