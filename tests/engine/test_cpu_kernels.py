@@ -8,8 +8,13 @@ import torch.nn.functional as F
 
 from gpu_worker.engine.attention import AttentionMetadata, CpuPagedAttention, TorchPagedAttention
 from gpu_worker.engine.kernels import cpu_has_avx512_bf16, cpu_kernels, quant_cpu_kernels
-from gpu_worker.engine.linear import (Linear, OneDnnPackedLinearKernel, TorchLinearKernel, WidenedBf16LinearKernel,
-                                      onednn_packs_bf16)
+from gpu_worker.engine.linear import (
+    Linear,
+    OneDnnPackedLinearKernel,
+    TorchLinearKernel,
+    WidenedBf16LinearKernel,
+    onednn_packs_bf16,
+)
 from tests.kernel_inputs import decode_metadata
 
 needs_avx512_bf16 = pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="the native kernels need AVX512-BF16")
