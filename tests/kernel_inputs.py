@@ -1,4 +1,5 @@
-"""Inputs the kernel tests share: seeded weights, and decode rows over shuffled block tables."""
+"""What the kernel tests share: seeded weights, decode rows over shuffled block tables, and the product the
+int8-activation kernels are held to."""
 
 from __future__ import annotations
 
@@ -26,3 +27,26 @@ def seeded_weight(n: int, k: int) -> torch.Tensor:
     """An [n, k] float32 weight, the same for the same shape in every test, of a trained layer's magnitude."""
     torch.manual_seed(n * 7919 + k)
     return torch.randn(n, k) * 0.05
+
+
+def quantized_x(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernels quantize it: per run of 32, scale max |x| / 127, q = round-half-even(x * 127 / max)."""
+    runs = x.float().unflatten(-1, (-1, 32))
+    peak = runs.abs().amax(-1, keepdim=True)
+    # torch.full_like(...) / peak, not 127 / peak: Python's reflected division is reciprocal(peak) * 127, an ulp
+    # off at times, which moves ties (x = max / 2 in bf16) to the other side.
+    inverse = torch.where(peak > 0, torch.full_like(peak, 127) / peak, torch.zeros_like(peak))
+    return ((runs * inverse).round() * (peak / 127)).flatten(-2)
+
+
+def assert_is_product_with_quantized_x(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    """What the int8-activation kernels compute: the weight times x quantized per run of 32, up to fp32 summation
+    (and bf16's rounding of the output)."""
+    assert got.dtype == x.dtype and got.shape == (x.shape[0], w.shape[0])
+    xq = quantized_x(x).double()
+    want = xq @ w.double().T
+    tol = 1e-5 * (xq.abs() @ w.double().abs().T) + 1e-6
+    if x.dtype == torch.bfloat16:
+        tol += 2 ** -8 * want.abs()
+    err = (got.double() - want).abs()
+    assert (err <= tol).all(), f"max error {err.max().item():.3g} (tolerance there {tol.flatten()[err.argmax()]:.3g})"

@@ -1,5 +1,6 @@
 """The int8 / int4 kernels (kernels/quant_cpu_kernels.cpp), few-row and many-row, against the dequantized weight's
-matmul; and the bf16 product for CPUs without native bf16, against the float matmul."""
+matmul (the int4 GEMV with int8 activations against the product with x quantized as it quantizes it); and the
+bf16 product for CPUs without native bf16, against the float matmul."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 
 from gpu_worker.engine.kernels import QUANT_CPU_FLAGS, cpu_has, quant_cpu_kernels
 from gpu_worker.engine.quantization.weights import Int8Weight, quantize_int4, quantize_int8
-from tests.kernel_inputs import seeded_weight
+from tests.kernel_inputs import assert_is_product_with_quantized_x, seeded_weight
 
 # Skipped only where the CPU lacks the instructions: a failed build fails these tests.
 pytestmark = pytest.mark.skipif(not cpu_has(QUANT_CPU_FLAGS), reason="the quantized CPU kernels need AVX2 + FMA + F16C")
@@ -40,7 +41,7 @@ def _int8_gemv(x, weight):
 
 
 def _int4_gemv(x, weight):
-    return quant_cpu_kernels().int4_gemv(x, weight.packed, weight.scale, weight.offset)
+    return quant_cpu_kernels().int4_gemv_a8(x, weight.packed, weight.scale, weight.offset)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -59,15 +60,6 @@ def test_int8_with_a_scale_per_group_of_32_matches_the_dequantized_matmul(m):
     weight = Int8Weight(q, torch.rand(1000, 18) * 0.01, group_size=32)
     x = _x(m, 576)
     _assert_matches(_int8_gemv(x, weight), x, weight.dequantize())
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m", [1, 2, 3, 4])
-@pytest.mark.parametrize(("n", "k", "group_size"), [(n, k, g) for n, k in SHAPES for g in GROUP_SIZES if k % g == 0])
-def test_int4_matches_the_dequantized_matmul(n, k, group_size, m, dtype):
-    weight = quantize_int4(seeded_weight(n, k), group_size)
-    x = _x(m, k).to(dtype)
-    _assert_matches(_int4_gemv(x, weight), x, weight.dequantize())
 
 
 def _assert_matches_tiles(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
@@ -101,14 +93,24 @@ def test_bf16_weights_widened_to_float32_match_the_float_matmul(n, k, m):
         _assert_matches(quant_cpu_kernels().bf16_mm(x, w), x, w.float())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 2, 3, 8])
+@pytest.mark.parametrize(("n", "k", "group_size"), [(n, k, g) for n, k in SHAPES for g in GROUP_SIZES if k % g == 0])
+def test_int4_gemv_with_int8_activations_is_the_product_with_x_quantized_per_run_of_32(n, k, group_size, m, dtype):
+    weight = quantize_int4(seeded_weight(n, k), group_size)
+    x = _x(m, k).to(dtype)
+    x[0, :32] = 0  # a run of zeros: scale 0, no NaN
+    assert_is_product_with_quantized_x(_int4_gemv(x, weight), x, weight.dequantize())
+
+
 def test_up_to_eight_rows_and_bf16_scales():
     weight8, weight4 = quantize_int8(seeded_weight(33, 256)), quantize_int4(seeded_weight(33, 256), 64)
     x = _x(8, 256)
     # Our quantizers make scales and offsets bf16-exact, so their bf16 copies are the same weight in half the bytes.
     got = quant_cpu_kernels().int8_gemv(x, weight8.q, weight8.group_scale.bfloat16())
     _assert_matches(got, x, weight8.dequantize())
-    got = quant_cpu_kernels().int4_gemv(x, weight4.packed, weight4.scale.bfloat16(), weight4.offset.bfloat16())
-    _assert_matches(got, x, weight4.dequantize())
+    got = quant_cpu_kernels().int4_gemv_a8(x, weight4.packed, weight4.scale.bfloat16(), weight4.offset.bfloat16())
+    assert_is_product_with_quantized_x(got, x, weight4.dequantize())
 
 
 def test_bf16_output_is_the_fp32_output_rounded_as_torch_rounds():
@@ -144,9 +146,9 @@ def test_bad_shapes_are_errors():
         kernels.int8_dequant_mm(torch.randn(20, 32), weight8.q, scale8)
     weight4 = quantize_int4(seeded_weight(8, 64), 32)
     with pytest.raises(RuntimeError, match="multiple of 32"):
-        kernels.int4_gemv(torch.randn(1, 64), weight4.packed, weight4.scale[:, :1].repeat(1, 4),
-                          weight4.offset[:, :1].repeat(1, 4))  # groups of 16
+        kernels.int4_gemv_a8(torch.randn(1, 64), weight4.packed, weight4.scale[:, :1].repeat(1, 4),
+                             weight4.offset[:, :1].repeat(1, 4))  # groups of 16
     with pytest.raises(RuntimeError, match="offset must be"):
-        kernels.int4_gemv(torch.randn(1, 64), weight4.packed, weight4.scale, weight4.offset[:, :1])
+        kernels.int4_gemv_a8(torch.randn(1, 64), weight4.packed, weight4.scale, weight4.offset[:, :1])
     with pytest.raises(RuntimeError, match="one dtype"):
         kernels.int4_dequant_mm(torch.randn(9, 64), weight4.packed, weight4.scale, weight4.offset.bfloat16())

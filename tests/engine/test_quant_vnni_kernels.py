@@ -9,34 +9,13 @@ import torch
 
 from gpu_worker.engine.kernels import QUANT_VNNI_FLAGS, cpu_has, quant_vnni_kernels
 from gpu_worker.engine.quantization.weights import Int8Weight, quantize_int4, quantize_int8
-from tests.kernel_inputs import seeded_weight
+from tests.kernel_inputs import assert_is_product_with_quantized_x, seeded_weight
 
 # Skipped only where the CPU lacks the instructions: a failed build fails these tests.
 pytestmark = pytest.mark.skipif(not cpu_has(QUANT_VNNI_FLAGS), reason="the int8-activation kernels need AVX512-VNNI")
 
 # (N, K): K of one run, of one chunk and a half (zero padding), SmolLM2-135M's projections, a 32000-row LM head.
 SHAPES = [(5, 32), (33, 96), (1000, 576), (17, 1536), (32000, 256)]
-
-
-def _quantized_x(x: torch.Tensor) -> torch.Tensor:
-    """x as the kernels quantize it: per run of 32, scale max |x| / 127, q = round-half-even(x * 127 / max)."""
-    runs = x.float().unflatten(-1, (-1, 32))
-    peak = runs.abs().amax(-1, keepdim=True)
-    # torch.full_like(...) / peak, not 127 / peak: Python's reflected division is reciprocal(peak) * 127, an ulp
-    # off at times, which moves ties (x = max / 2 in bf16) to the other side.
-    inverse = torch.where(peak > 0, torch.full_like(peak, 127) / peak, torch.zeros_like(peak))
-    return ((runs * inverse).round() * (peak / 127)).flatten(-2)
-
-
-def _assert_is_product_with_quantized_x(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
-    assert got.dtype == x.dtype and got.shape == (x.shape[0], w.shape[0])
-    xq = _quantized_x(x).double()
-    want = xq @ w.double().T
-    tol = 1e-5 * (xq.abs() @ w.double().abs().T) + 1e-6
-    if x.dtype == torch.bfloat16:
-        tol += 2 ** -8 * want.abs()
-    err = (got.double() - want).abs()
-    assert (err <= tol).all(), f"max error {err.max().item():.3g} (tolerance there {tol.flatten()[err.argmax()]:.3g})"
 
 
 def _int8(x, weight, kernel="gemv"):
@@ -57,7 +36,7 @@ KERNEL_ROWS = [("gemv", 1), ("gemv", 2), ("gemv", 3), ("gemv", 8), ("gemm", 1), 
 def test_int8_per_channel_is_the_product_with_x_quantized_per_run_of_32(n, k, kernel, m, dtype):
     weight = quantize_int8(seeded_weight(n, k))
     x = torch.randn(m, k).to(dtype)
-    _assert_is_product_with_quantized_x(_int8(x, weight, kernel), x, weight.dequantize())
+    assert_is_product_with_quantized_x(_int8(x, weight, kernel), x, weight.dequantize())
 
 
 @pytest.mark.parametrize(("kernel", "m"), [("gemv", 1), ("gemv", 4), ("gemm", 3), ("gemm", 12)])
@@ -68,7 +47,7 @@ def test_int8_with_a_scale_per_group_of_32_is_the_product_with_quantized_x(n, k,
     q = torch.randint(-128, 128, (n, k), dtype=torch.int8)
     weight = Int8Weight(q, torch.rand(n, k // 32) * 0.01, group_size=32)
     x = torch.randn(m, k)
-    _assert_is_product_with_quantized_x(_int8(x, weight, kernel), x, weight.dequantize())
+    assert_is_product_with_quantized_x(_int8(x, weight, kernel), x, weight.dequantize())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -78,7 +57,7 @@ def test_int8_with_a_scale_per_group_of_32_is_the_product_with_quantized_x(n, k,
 def test_int4_is_the_product_with_x_quantized_per_run_of_32(n, k, group_size, kernel, m, dtype):
     weight = quantize_int4(seeded_weight(n, k), group_size)
     x = torch.randn(m, k).to(dtype)
-    _assert_is_product_with_quantized_x(_int4(x, weight, kernel), x, weight.dequantize())
+    assert_is_product_with_quantized_x(_int4(x, weight, kernel), x, weight.dequantize())
 
 
 @pytest.mark.parametrize("kernel", ["gemv", "gemm"])
@@ -88,8 +67,8 @@ def test_many_rows_take_groups_of_eight_and_the_rest(kernel, m):
     # shorter.
     weight8, weight4 = quantize_int8(seeded_weight(1000, 576)), quantize_int4(seeded_weight(1000, 576), 32)
     x = torch.randn(m, 576).bfloat16()
-    _assert_is_product_with_quantized_x(_int8(x, weight8, kernel), x, weight8.dequantize())
-    _assert_is_product_with_quantized_x(_int4(x, weight4, kernel), x, weight4.dequantize())
+    assert_is_product_with_quantized_x(_int8(x, weight8, kernel), x, weight8.dequantize())
+    assert_is_product_with_quantized_x(_int4(x, weight4, kernel), x, weight4.dequantize())
 
 
 def test_the_gemm_takes_any_group_size_of_whole_runs():
@@ -97,8 +76,8 @@ def test_the_gemm_takes_any_group_size_of_whole_runs():
     weight8 = quantize_int8(seeded_weight(40, 192))
     weight4 = quantize_int4(seeded_weight(40, 192), 96)
     x = torch.randn(11, 192)
-    _assert_is_product_with_quantized_x(_int8(x, weight8, "gemm"), x, weight8.dequantize())
-    _assert_is_product_with_quantized_x(_int4(x, weight4, "gemm"), x, weight4.dequantize())
+    assert_is_product_with_quantized_x(_int8(x, weight8, "gemm"), x, weight8.dequantize())
+    assert_is_product_with_quantized_x(_int4(x, weight4, "gemm"), x, weight4.dequantize())
 
 
 def test_quantizing_x_per_run_costs_about_half_a_percent():
@@ -117,7 +96,7 @@ def test_zero_runs_of_x_give_zero_and_not_nan(kernel):
     x[1, 64:] = torch.randn(64)
     got = _int8(x, weight, kernel)
     assert not got.isnan().any() and (got[0] == 0).all()
-    _assert_is_product_with_quantized_x(got, x, weight.dequantize())
+    assert_is_product_with_quantized_x(got, x, weight.dequantize())
 
 
 @pytest.mark.parametrize("kernel", ["gemv", "gemm"])

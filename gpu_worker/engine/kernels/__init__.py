@@ -74,12 +74,14 @@ def cpu_kernels():
 
 @functools.cache
 def quant_cpu_kernels():
-    """`quant_cpu_kernels.cpp` (int8 / int4 products, bf16 or fp32 activations) as a module, or None (it needs
-    AVX2 + FMA + F16C)."""
+    """`quant_cpu_kernels.cpp` + `quant_avx2_gemv.cpp` (int8 / int4 products, bf16 or fp32 activations, or int8
+    ones for int4's GEMV; bf16 products for CPUs without native bf16) as one module, or None (it needs AVX2 + FMA +
+    F16C)."""
     if not cpu_has(QUANT_CPU_FLAGS):
         log.warning("quantized CPU kernels need AVX2, FMA and F16C; using the torch path")
         return None
-    return _build("tokenfleet_quant_cpu_kernels", ["quant_cpu_kernels.cpp"], ["-mavx2", "-mfma", "-mf16c"])
+    return _build("tokenfleet_quant_cpu_kernels", ["quant_cpu_kernels.cpp", "quant_avx2_gemv.cpp"],
+                  ["-mavx2", "-mfma", "-mf16c"])
 
 
 @functools.cache

@@ -1,6 +1,7 @@
-// What the quantized CPU kernels share (quant_cpu_kernels.cpp, quant_vnni_kernels.cpp, quant_amx_kernels.cpp):
-// reading scales and writing outputs in either dtype, a runtime row count or dtype handed to templates, weight
-// rows split among threads, and runs of weights dequantized to bf16. Internal linkage: the two modules are built for different instruction sets.
+// What the quantized CPU kernels share (quant_cpu_kernels.cpp, quant_avx2_gemv.cpp, quant_vnni_kernels.cpp,
+// quant_amx_kernels.cpp): reading scales and writing outputs in either dtype, a runtime row count or dtype handed
+// to templates, weight rows split among threads, and runs of weights dequantized to bf16. Internal linkage: the
+// modules are built for different instruction sets.
 #pragma once
 #include <torch/extension.h>
 #include <immintrin.h>

@@ -1,9 +1,10 @@
 // Products with int8 and int4 weights (AVX2 + FMA), each checked against the dequantized weight's matmul in
 // tests/engine/test_quant_cpu_kernels.py. Two regimes, as a step's row count decides:
-// - Few rows (M = 1..8, decode): bound by reading the weights. These GEMVs stream the quantized weight once
-//   for all rows, each OpenMP thread its own contiguous range of rows front to back (a single sequential stream
-//   per thread reached the bandwidth of a plain read loop where interleaved rows did not). torch's weight-only
-//   ops (aten._weight_int8pack_mm, aten._weight_int4pack_mm_for_cpu) reached only ~8 GB/s at M = 1 on a 2-core
+// - Few rows (M = 1..8, decode): bound by reading the weights. The int8 GEMV (and the bf16 one for CPUs without
+//   native bf16) streams the weight once for all rows, each OpenMP thread its own contiguous range of rows front
+//   to back (a single sequential stream per thread reached the bandwidth of a plain read loop where interleaved
+//   rows did not); int4's, with int8 activations, is in quant_avx2_gemv.cpp. torch's weight-only ops
+//   (aten._weight_int8pack_mm, aten._weight_int4pack_mm_for_cpu) reached only ~8 GB/s at M = 1 on a 2-core
 //   AMD EPYC (Zen 3), slower per step than bf16 F.linear reading twice the bytes.
 // - Many rows (prefill chunks, large batches): bound by arithmetic. The weight is dequantized tile by tile into a
 //   buffer that stays in cache (bf16 where the CPU multiplies bf16 natively, float32 elsewhere) and multiplied
@@ -54,7 +55,7 @@ inline float hsum(__m256 v) {
 // Independent accumulator chains per x row. Each 32 weights give every row four FMAs, and an FMA's result
 // feeds the next one ~4 cycles later: one chain per row would stall on that latency (it made M = 4 run at
 // half the speed of M = 1); with 4, 2, 1 chains for M <= 2, <= 4, <= 8 the FMA units stay busy and the
-// accumulators (plus int4's per-row totals) fit in the 16 registers.
+// accumulators fit in the 16 registers.
 template <int M>
 constexpr int kChains = M <= 2 ? 4 : M <= 4 ? 2 : 1;
 
@@ -76,18 +77,6 @@ struct UnitScale {
   UnitScale operator+(int64_t) const { return {}; }
 };
 inline float load_float(UnitScale) { return 1.0f; }
-
-// Eight inputs of one int4 row, as floats q (0 .. 15).
-// The little-endian 32-bit word at byte 4c holds inputs 8c .. 8c + 7 as its nibbles 0 .. 7, in order: broadcast
-// it and shift each lane by 4 * lane.
-inline __m256 int4x8(const uint8_t* packed) {
-  uint32_t word;
-  std::memcpy(&word, packed, 4);
-  const __m256i nibble = _mm256_and_si256(
-      _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(word)), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
-      _mm256_set1_epi32(0xF));
-  return _mm256_cvtepi32_ps(nibble);
-}
 
 // acc[m][*] += w[k .. k + 32) * x[m][k .. k + 32), the 32 weights given as four vectors of eight.
 template <int M>
@@ -129,39 +118,6 @@ void int8_rows(const float* x, const Q* q, S scale, Y* y, int64_t N, int64_t K, 
       for (int m = 0; m < M; m++) out[m] = _mm256_fmadd_ps(chains_sum<M>(acc[m]), s, out[m]);
     }
     for (int m = 0; m < M; m++) store(y + m * N + n, hsum(out[m]));
-  }
-}
-
-// Rows [n0, n1) of y = x @ (q * scale + offset).T: per group, scale * sum(q * x) + offset * sum(x), with the
-// group sums of x (xsum [M, K/G]) computed once by the caller. G % 32 == 0.
-template <int M, typename S, typename Y>
-void int4_rows(const float* x, const float* xsum, const uint8_t* packed, const S* scale, const S* offset, Y* y,
-               int64_t N, int64_t K, int64_t G, int64_t n0, int64_t n1) {
-  const int64_t groups = K / G;
-  for (int64_t n = n0; n < n1; n++) {
-    const uint8_t* row = packed + n * (K / 2);
-    const S* row_scale = scale + n * groups;
-    const S* row_offset = offset + n * groups;
-    __m256 out[M];
-    float offset_term[M];
-    for (int m = 0; m < M; m++) out[m] = _mm256_setzero_ps(), offset_term[m] = 0.0f;
-    for (int64_t g = 0; g < groups; g++) {
-      __m256 acc[M][kChains<M>];
-      for (auto& a : acc)
-        for (auto& c : a) c = _mm256_setzero_ps();
-      const uint8_t* p = row + g * (G / 2);
-      for (int64_t k = g * G; k < (g + 1) * G; k += 32, p += 16) {
-        const __m256 w[4] = {int4x8(p), int4x8(p + 4), int4x8(p + 8), int4x8(p + 12)};
-        fma32<M>(acc, w, x, K, k);
-      }
-      const __m256 s = _mm256_set1_ps(load_float(row_scale + g));
-      const float o = load_float(row_offset + g);
-      for (int m = 0; m < M; m++) {
-        out[m] = _mm256_fmadd_ps(chains_sum<M>(acc[m]), s, out[m]);
-        offset_term[m] += o * xsum[m * groups + g];
-      }
-    }
-    for (int m = 0; m < M; m++) store(y + m * N + n, hsum(out[m]) + offset_term[m]);
   }
 }
 
@@ -309,34 +265,6 @@ torch::Tensor int8_gemv(const torch::Tensor& x, const torch::Tensor& q, const to
   return y;
 }
 
-// y [M, N] = x [M, K] @ (q * scale + offset).T for M <= 8, q the nibbles of packed, scale/offset [N, K / G].
-torch::Tensor int4_gemv(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
-                        const torch::Tensor& offset) {
-  const Int4Weight w = int4_weight(packed, scale, offset);
-  const uint8_t* pp = w.packed;
-  const int64_t N = w.N, K = w.K, G = w.G;
-  check_x(x, K);
-  std::vector<float> x_buffer;
-  const float* xp = x_as_fp32(x, x_buffer);
-  const int64_t M = x.size(0), groups = K / G;
-  std::vector<float> xsum(M * groups);  // sum of x over each group, for the offsets
-  for (int64_t i = 0; i < M * groups; i++) {
-    float s = 0.0f;
-    for (int64_t k = 0; k < G; k++) s += xp[i * G + k];
-    xsum[i] = s;
-  }
-  auto y = torch::empty({M, N}, x.options());
-  dispatch_types(w.scale, y, [&](auto* sp, auto* yp) {
-    const auto* op = reinterpret_cast<decltype(sp)>(w.offset.data_ptr());
-    dispatch_rows(M, [&](auto rows) {
-      parallel_rows(N, K, [&](int64_t n0, int64_t n1) {
-        int4_rows<rows()>(xp, xsum.data(), pp, sp, op, yp, N, K, G, n0, n1);
-      });
-    });
-  });
-  return y;
-}
-
 // The same products for any M (prefill chunks, large batches), through dequantized tiles.
 torch::Tensor int8_dequant_mm(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale) {
   const Int8Weight w = int8_weight(q, scale);
@@ -426,11 +354,15 @@ std::vector<torch::Tensor> quantize_rows(const torch::Tensor& x) {
   return {q, scale};
 }
 
+// quant_avx2_gemv.cpp
+torch::Tensor int4_gemv_a8(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
+                           const torch::Tensor& offset);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_gemv", &int8_gemv, "y [M, N] = x [M, K] @ (q * scale).T per group, M <= 8, K % 32 == 0");
-  m.def("int4_gemv", &int4_gemv, "y [M, N] = x [M, K] @ (q * scale + offset).T per group, M <= 8");
+  m.def("int4_gemv_a8", &int4_gemv_a8, "y [M, N] = x [M, K] @ (q * scale + offset).T per group, M <= 8, x quantized to int8 per run of 32");
   m.def("int8_dequant_mm", &int8_dequant_mm, "int8_gemv for any M, through dequantized tiles");
-  m.def("int4_dequant_mm", &int4_dequant_mm, "int4_gemv for any M, through dequantized tiles");
+  m.def("int4_dequant_mm", &int4_dequant_mm, "y [M, N] = x [M, K] @ (q * scale + offset).T for any M, through dequantized tiles");
   m.def("bf16_mm", &bf16_mm, "y [M, N] = x [M, K] @ w.T, w bf16, for CPUs without native bf16 products");
   m.def("tile_dtype", &tile_dtype, "the element type of the many-row products' dequantized tiles here");
   m.def("quantize_rows", &quantize_rows, "(q int8 [M, K], scale [M, 1]): each row of x symmetric per token");

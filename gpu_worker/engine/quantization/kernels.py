@@ -93,14 +93,15 @@ def onednn_int8_matmul() -> bool:
 def few_row_gemvs(group_size: int) -> tuple[tuple[Callable, int], tuple[Callable, int]]:
     """The int8 and int4 GEMVs that serve a decode step's few rows for weights in groups of `group_size`, each
     with the most rows it serves: the int8-activation ones (`kernels/quant_vnni_kernels.cpp`) where the CPU has
-    VNNI and they take the group size, else the fp32 ones (`kernels/quant_cpu_kernels.cpp`)."""
+    VNNI and they take the group size; else (`kernels/quant_cpu_kernels.cpp`) the fp32 int8 GEMV and the int4
+    one with int8 activations (`kernels/quant_avx2_gemv.cpp`)."""
     vnni = quant_vnni_kernels()
     if vnni is not None and (group_size == 32 or group_size % 64 == 0):
         if quant_amx_kernels() is None:  # the VNNI GEMM takes over from 5 rows
             return (vnni.int8_gemv_a8, GEMV_ROWS), (vnni.int4_gemv_a8, GEMV_ROWS)
         return (vnni.int8_gemv_a8, VNNI_INT8_ROWS), (vnni.int4_gemv_a8, VNNI_INT4_ROWS)
     native = quant_cpu_kernels()
-    return (native.int8_gemv, GEMV_ROWS), (native.int4_gemv, GEMV_ROWS)
+    return (native.int8_gemv, GEMV_ROWS), (native.int4_gemv_a8, GEMV_ROWS)
 
 
 class _NativeCpuKernel:
