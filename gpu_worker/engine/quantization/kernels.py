@@ -21,8 +21,8 @@ from ..kernels import quant_amx_kernels, quant_cpu_kernels, quant_vnni_kernels, 
 from .weights import FP8_MAX, Fp8Weight, Int4Weight, Int8Weight, QuantizedWeight, exact_scales
 
 # Rows up to which the native GEMVs beat dequantized tiles (they stream the weight once for all of them, but
-# their arithmetic grows with the rows where oneDNN's AMX barely notices): the fp32 ones up to 4; the
-# int8-activation ones, measured on a Sapphire Rapids VM (SmolLM2's matrices, bf16 = 1): int8 1.8 at 8 rows
+# their arithmetic grows with the rows where oneDNN's AMX barely notices): the AVX2 ones up to 4; the VNNI
+# ones, measured on a Sapphire Rapids VM (SmolLM2's matrices, bf16 = 1): int8 1.8 at 8 rows
 # and 0.7-1.0 at 16 (tiles 0.8), int4 1.1-1.3 at 8 and 0.6-0.7 at 16 (tiles 0.8). Where the VNNI GEMM follows
 # instead of AMX, up to 4 (a Zen 5, against the prepacked bf16 matmul: at 4 rows GEMV int8 1.5-1.9, GEMM
 # 1.3-1.7; at 8 GEMV 0.6-0.9, GEMM 1.1-1.4).
