@@ -82,12 +82,6 @@ struct Int4Rows {
   }
 };
 
-inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
 // Independent accumulator chains per x row: one chain per row stalls on the FMA's latency at M = 1.
 template <int M>
 constexpr int kChainsA8 = M <= 2 ? 2 : 1;
@@ -124,7 +118,7 @@ void a8_rows(const RunQuantizedX& x, const Int4Rows& rows, const S* scale, const
         offset_term[m] += load_float(offset + n * groups + g) * x.group_sum[m * groups + g];
       }
     }
-    for (int m = 0; m < M; m++) store(y + m * N + n, hsum8(out[m]) + offset_term[m]);
+    for (int m = 0; m < M; m++) store(y + m * N + n, hsum(out[m]) + offset_term[m]);
   }
 }
 

@@ -22,6 +22,14 @@ inline float load_float(const at::BFloat16* p) { return static_cast<float>(*p); 
 inline void store(float* y, float v) { *y = v; }
 inline void store(at::BFloat16* y, float v) { *y = at::BFloat16(v); }  // round to nearest even, as torch
 
+// The sum of eight floats (the AVX2 GEMVs' row totals).
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
 // Calls body(std::integral_constant<int, M>) for the runtime M in 1 .. kMaxRowsAtOnce.
 template <typename F>
 void dispatch_rows(int64_t M, F&& body) {

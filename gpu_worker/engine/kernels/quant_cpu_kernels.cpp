@@ -45,13 +45,6 @@ inline uint16_t to_bf16_finite(float f) {
   return static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
 }
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 // Independent accumulator chains per x row. Each 32 weights give every row four FMAs, and an FMA's result
 // feeds the next one ~4 cycles later: one chain per row would stall on that latency (it made M = 4 run at
 // half the speed of M = 1); with 4, 2, 1 chains for M <= 2, <= 4, <= 8 the FMA units stay busy and the
