@@ -124,18 +124,21 @@ def test_api_keys_are_stored_only_as_hashes(redis_url):
 
 
 def test_work_a_draining_worker_cannot_finish_in_time_is_handed_back_and_completed_elsewhere(stack):
-    model, max_tokens = "handback", 1800  # long enough to outlast the second worker's start-up
+    # Two workers of a model of their own, up before the request: whichever takes it is told to stop and may
+    # drain for only half a second, far less than the request needs.
+    model, max_tokens = "handback", 400
     flags = ("--model", "tokenfleet-large", "--served-model-name", model, "--dtype", "bfloat16")
-    leaving = stack.start_worker(*flags, env={"TOKENFLEET_WORKER_DRAIN_TIMEOUT_S": "0.5"})
-    stack.wait_for_worker(leaving, model)
+    pair = [stack.start_worker(*flags, env={"TOKENFLEET_WORKER_DRAIN_TIMEOUT_S": "0.5"}) for _ in range(2)]
+    for worker in pair:
+        stack.wait_for_worker(worker, model)
     body = {"model": model, "prompt": "Hand me back", "max_tokens": max_tokens, "stream": True,
             "ignore_eos": True, "stream_options": {"include_usage": True}}
     with httpx.stream("POST", stack.url + "/v1/completions", json=body, timeout=300,
                       headers={"Authorization": f"Bearer {API_KEY}"}) as response:
         lines = response.iter_lines()
         received = [next(lines)]
-        staying = stack.start_worker(*flags)
-        stack.wait_for_worker(staying, model)
+        started = p.decode(p.ReplyChunk, stack.redis().xrange(p.reply_stream(response.headers["x-request-id"]))[0][1])
+        leaving, staying = sorted(pair, key=lambda w: not started.worker_id.endswith(f"-{w.pid}"))
         leaving.send_signal(signal.SIGTERM)
         received += list(lines)
     assert leaving.wait(30) == 0

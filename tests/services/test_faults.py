@@ -14,8 +14,8 @@ from gpu_worker.engine import SamplingParams
 from services import protocol as p
 from tests.services.conftest import API_KEY, MODEL, worker_metric
 
-PROMPTS = [f"Request number {i} says:" for i in range(20)]
-MAX_TOKENS = 600  # long enough that the victim dies mid-generation
+PROMPTS = [f"Request number {i} says:" for i in range(12)]
+MAX_TOKENS = 400  # long enough that the victim dies mid-generation
 # A cancel reaches the worker within a second or so; a 2-core host running the whole stack and the suite can
 # take a few more. The tests also check that the request did not simply run to its end in that time.
 CANCEL_WITHIN_S = 20

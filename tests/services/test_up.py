@@ -13,14 +13,20 @@ import openai
 import psutil
 import pytest
 
+from gpu_worker.engine import builtin_models
 from services.stack import LOCAL_MAX_TOKENS
 from tests.services.conftest import _free_port
 
 
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory):
-    """The stacks' own (ledger, dev key, compiled CPU kernels), shared so the kernels build once."""
-    return tmp_path_factory.mktemp("cache")
+    """The stacks' own (ledger, dev key), but the native kernels the rest of the suite built: building them
+    again took 1-1.5 min of the suite (test_native_kernels_build_on_this_cpu checks that they build)."""
+    cache = tmp_path_factory.mktemp("cache")
+    kernels = builtin_models.cache_dir() / "kernels"
+    kernels.mkdir(parents=True, exist_ok=True)
+    (cache / "kernels").symlink_to(kernels, target_is_directory=True)
+    return cache
 
 
 @pytest.fixture
