@@ -67,7 +67,7 @@ def attention(device: torch.device, rounds: int, batch: int = 32, context: int =
               kv_heads: int = 8, head_dim: int = 128, block_size: int = 16) -> list[dict]:
     """Decode attention of `batch` sequences of `context` tokens (Llama-3-8B's heads) over each cache format,
     through the kernels the engine installs on this device, against the bf16 reference's output."""
-    from gpu_worker.engine.attention import AttentionMetadata, TorchPagedAttention
+    from gpu_worker.engine.attention import AttentionMetadata, HeadLayout, TorchPagedAttention
     from gpu_worker.engine.kv_cache_format import DenseKVFormat, ScaledKVFormat, quantize_per_row
 
     blocks_per_seq = context // block_size
@@ -78,10 +78,11 @@ def attention(device: torch.device, rounds: int, batch: int = 32, context: int =
     dense = torch.randn(2, batch * blocks_per_seq, kv_heads, block_size, head_dim, device=device,
                         dtype=torch.bfloat16)
     q = torch.randn(batch, heads, head_dim, device=device, dtype=torch.bfloat16)
-    reference = TorchPagedAttention(head_dim**-0.5).decode(q.float(), dense.float(), meta)
+    layout = HeadLayout(heads, kv_heads, head_dim, head_dim**-0.5)
+    reference = TorchPagedAttention(layout).decode(q.float(), dense.float(), meta)
     out = []
     for fmt in (DenseKVFormat(torch.bfloat16), ScaledKVFormat("int8", torch.bfloat16)):
-        model = _OneLayer(head_dim, head_dim**-0.5)
+        model = _OneLayer(layout)
         fmt.install(model, device)
         attn = model.layers[0].self_attn.attn
         cache = dense
@@ -101,13 +102,13 @@ def attention(device: torch.device, rounds: int, batch: int = 32, context: int =
 class _OneLayer:
     """What `KVCacheFormat.install` reads of a model: its config's head_dim and each layer's attention."""
 
-    def __init__(self, head_dim: int, scale: float):
+    def __init__(self, layout):
         from types import SimpleNamespace
 
         from gpu_worker.engine.attention import TorchPagedAttention
 
-        self.config = SimpleNamespace(head_dim=head_dim)
-        self.layers = [SimpleNamespace(self_attn=SimpleNamespace(attn=TorchPagedAttention(scale)))]
+        self.config = SimpleNamespace(head_dim=layout.head_dim)
+        self.layers = [SimpleNamespace(self_attn=SimpleNamespace(attn=TorchPagedAttention(layout)))]
 
 
 def main() -> None:

@@ -19,8 +19,10 @@ def decode_metadata(context_lens: list[int], num_blocks: int, block_size: int) -
         blocks = blocks[need:]
     width = max(len(t) for t in tables)
     padded = torch.tensor([t + [0] * (width - len(t)) for t in tables])
-    no_tokens = torch.empty(0, dtype=torch.long)
-    return AttentionMetadata(no_tokens, no_tokens, block_size, context_lens, padded, torch.tensor(context_lens), [])
+    # Each row's new token is its context's last: written there before attention reads it.
+    slot_blocks = torch.tensor([t[(length - 1) // block_size] for t, length in zip(tables, context_lens, strict=True)])
+    lens = torch.tensor(context_lens)
+    return AttentionMetadata(slot_blocks, (lens - 1) % block_size, block_size, context_lens, padded, lens, [])
 
 
 def seeded_weight(n: int, k: int) -> torch.Tensor:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import ops
 from .host_memory import zeros_streamed
 from .kv_cache_manager import cdiv
 
@@ -96,14 +97,39 @@ def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_
     return [zeros_streamed(shape, dtype, device) for _ in range(num_layers)]
 
 
-class TorchPagedAttention:
-    def __init__(self, scale: float):
-        self.scale = scale
+@dataclass(frozen=True)
+class HeadLayout:
+    """A layer's attention heads: `num_heads` query heads sharing `num_kv_heads` key/value heads (GQA)."""
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float  # of the scores, head_dim ** -0.5 in the models served
+
+    def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The fused projection's rows [T, (H + 2 KVH) D] as views q [T, H, D], k and v [T, KVH, D]."""
+        h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
+        q, k, v = qkv.split([h * d, kvh * d, kvh * d], dim=-1)
+        return q.view(-1, h, d), k.view(-1, kvh, d), v.view(-1, kvh, d)
+
+
+class TorchPagedAttention:
+    def __init__(self, heads: HeadLayout):
+        self.heads = heads
+        self.scale = heads.scale
+
+    def __call__(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:
-        """q: [T, H, D]; k, v: [T, KVH, D]; kv_cache: [2, blocks, KVH, block_size, D]. Returns [T, H, D]."""
+        """qkv: the fused projection [T, (H + 2 KVH) D], its q and k heads rotated here in place; kv_cache:
+        [2, blocks, KVH, block_size, D]. Writes this step's keys and values, returns the attention [T, H D]."""
+        # q and k heads are adjacent columns: rotate them in one pass.
+        ops.rotary_(qkv, cos, sin, self.heads.num_heads + self.heads.num_kv_heads, self.heads.head_dim)
+        q, k, v = self.heads.split(qkv)
         self.write_kv(k, v, kv_cache, meta)
+        return self.attend(q, k, v, kv_cache, meta).view(qkv.shape[0], -1)
+
+    def attend(self, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, KVH, D], already in the cache. Returns [T, H, D]."""
         if not meta.prefills:  # decode-only steps (batch-1 latency) skip the scatter into `out`
             return self.decode(q, kv_cache, meta)
         out = torch.empty_like(q)
@@ -145,11 +171,17 @@ class TorchPagedAttention:
 
 
 class CpuPagedAttention(TorchPagedAttention):
-    """KV writes and decode attention by `kernels/cpu_kernels.cpp`, straight from the paged cache (bf16 on CPU)."""
+    """KV writes and decode attention by `kernels/cpu_kernels.cpp`, straight from the paged cache (bf16 on CPU);
+    a decode-only step's rotary, write and attention in one native call."""
 
-    def __init__(self, scale: float, kernels):
-        super().__init__(scale)
+    def __init__(self, heads: HeadLayout, kernels):
+        super().__init__(heads)
         self.kernels = kernels
+
+    def __call__(self, qkv, cos, sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        if meta.prefills:
+            return super().__call__(qkv, cos, sin, kv_cache, meta)
+        return self.kernels.decode_step_bf16(qkv, cos, sin, kv_cache, *decode_step_arguments(meta, self.heads))
 
     @staticmethod
     def supports(kernels, dtype: torch.dtype, device: torch.device, head_dim: int) -> bool:
@@ -162,6 +194,12 @@ class CpuPagedAttention(TorchPagedAttention):
         return self.kernels.paged_decode_attention_bf16(q.contiguous(), kv_cache[0], kv_cache[1],
                                                         meta.decode_block_tables, meta.decode_context_lens,
                                                         self.scale)
+
+
+def decode_step_arguments(meta: AttentionMetadata, heads: HeadLayout) -> tuple:
+    """What the native decode steps take after the cache."""
+    return (meta.slot_blocks, meta.slot_offsets, meta.decode_block_tables, meta.decode_context_lens, heads.num_heads,
+            heads.num_kv_heads, heads.scale)
 
 
 def _gather(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:

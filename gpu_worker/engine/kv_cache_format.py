@@ -13,7 +13,14 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import CpuPagedAttention, TorchPagedAttention, _gather, allocate_kv_cache
+from .attention import (
+    CpuPagedAttention,
+    HeadLayout,
+    TorchPagedAttention,
+    _gather,
+    allocate_kv_cache,
+    decode_step_arguments,
+)
 from .errors import ModelLoadError
 from .host_memory import zeros_streamed
 from .kernels import cpu_kernels, triton_available
@@ -43,7 +50,7 @@ class DenseKVFormat:
         kernels = cpu_kernels() if device.type == "cpu" and self.dtype == torch.bfloat16 else None
         if CpuPagedAttention.supports(kernels, self.dtype, device, model.config.head_dim):
             for layer in model.layers:
-                layer.self_attn.attn = CpuPagedAttention(layer.self_attn.attn.scale, kernels)
+                layer.self_attn.attn = CpuPagedAttention(layer.self_attn.attn.heads, kernels)
 
 
 @dataclass
@@ -72,8 +79,8 @@ def quantize_per_row_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class ScaledPagedAttention(TorchPagedAttention):
     """The torch reference over an int8 / fp8 cache: quantize on write, dequantize what a step gathers."""
 
-    def __init__(self, scale: float, quantize=quantize_per_row):
-        super().__init__(scale)
+    def __init__(self, heads: HeadLayout, quantize=quantize_per_row):
+        super().__init__(heads)
         self.quantize = quantize
 
     def write_kv(self, k, v, kv_cache: ScaledKVCache, meta) -> None:
@@ -90,11 +97,18 @@ class ScaledPagedAttention(TorchPagedAttention):
 class CpuInt8PagedAttention(ScaledPagedAttention):
     """KV writes and decode attention by `kernels/cpu_attention_kernels.cpp` on the int8 cache itself (bf16 on
     CPU): keys and values dequantized in registers, where the reference gathers a dequantized copy of every
-    context. Prefill over a cached context attends over such a copy, gathered and dequantized in one pass."""
+    context; a decode-only step's rotary, write and attention in one native call. Prefill over a cached context
+    attends over such a copy, gathered and dequantized in one pass."""
 
-    def __init__(self, scale: float, kernels):
-        super().__init__(scale)
+    def __init__(self, heads: HeadLayout, kernels):
+        super().__init__(heads)
         self.kernels = kernels
+
+    def __call__(self, qkv, cos, sin, kv_cache: ScaledKVCache, meta) -> torch.Tensor:
+        if meta.prefills:
+            return super().__call__(qkv, cos, sin, kv_cache, meta)
+        return self.kernels.decode_step_int8(qkv, cos, sin, kv_cache.data, kv_cache.scale,
+                                             *decode_step_arguments(meta, self.heads))
 
     def write_kv(self, k, v, kv_cache: ScaledKVCache, meta) -> None:
         self.kernels.write_kv_int8(k, v, kv_cache.data, kv_cache.scale, meta.slot_blocks, meta.slot_offsets)
@@ -113,10 +127,10 @@ class TritonScaledPagedAttention(ScaledPagedAttention):
     """Decode attention on CUDA by `kernels/triton_paged_attention.py`, reading the int8 / fp8 cache in place;
     writes and prefill take the reference."""
 
-    def __init__(self, scale: float, quantize=quantize_per_row):
+    def __init__(self, heads: HeadLayout, quantize=quantize_per_row):
         from .kernels.triton_paged_attention import paged_decode
 
-        super().__init__(scale, quantize)
+        super().__init__(heads, quantize)
         self.paged_decode = paged_decode
 
     def decode(self, q, kv_cache: ScaledKVCache, meta) -> torch.Tensor:
@@ -148,13 +162,13 @@ class ScaledKVFormat:
         kernels = cpu_kernels() if device.type == "cpu" and self.dtype == torch.bfloat16 else None
         head_dim = model.config.head_dim
         for layer in model.layers:
-            scale = layer.self_attn.attn.scale
+            heads = layer.self_attn.attn.heads
             if self.name == "int8" and CpuPagedAttention.supports(kernels, self.dtype, device, head_dim):
-                layer.self_attn.attn = CpuInt8PagedAttention(scale, kernels)
+                layer.self_attn.attn = CpuInt8PagedAttention(heads, kernels)
             elif device.type == "cuda" and triton_available() and head_dim & (head_dim - 1) == 0:
-                layer.self_attn.attn = TritonScaledPagedAttention(scale, self.quantize)
+                layer.self_attn.attn = TritonScaledPagedAttention(heads, self.quantize)
             else:
-                layer.self_attn.attn = ScaledPagedAttention(scale, self.quantize)
+                layer.self_attn.attn = ScaledPagedAttention(heads, self.quantize)
 
 
 KVCacheFormat = DenseKVFormat | ScaledKVFormat

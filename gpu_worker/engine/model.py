@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from . import ops
-from .attention import AttentionMetadata, TorchPagedAttention
+from .attention import AttentionMetadata, HeadLayout, TorchPagedAttention
 from .linear import Linear
 from .model_config import ModelConfig
 from .quantization.weights import QuantizedWeight, with_exact_scales
@@ -55,23 +55,14 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
-        self.attn = TorchPagedAttention(scale=cfg.head_dim**-0.5)
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias)
+        self.o_proj = Linear(q_size, cfg.hidden_size, bias=False)
+        # Rotary, the KV cache write and attention: one interface, whose CPU kernels fuse them for decode steps.
+        self.attn = TorchPagedAttention(HeadLayout(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5))
 
     def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
-        # q and k heads are adjacent columns: rotate them in one pass.
-        ops.rotary_(qkv, cos, sin, self.num_heads + self.num_kv_heads, self.head_dim)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        out = self.attn(q, k, v, kv_cache, meta)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return self.o_proj(self.attn(self.qkv_proj(x), cos, sin, kv_cache, meta))
 
 
 class MLP(nn.Module):

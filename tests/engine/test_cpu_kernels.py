@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpu_worker.engine.attention import AttentionMetadata, CpuPagedAttention, TorchPagedAttention
+from gpu_worker.engine.attention import AttentionMetadata, CpuPagedAttention, HeadLayout, TorchPagedAttention
 from gpu_worker.engine.kernels import cpu_has_avx512_bf16, cpu_kernels, quant_cpu_kernels
 from gpu_worker.engine.linear import (
     Linear,
@@ -76,10 +76,30 @@ def test_paged_decode_attention_matches_the_reference(heads, kv_heads, head_dim)
     context_lens = [1, 17, 300, 64, 5, 129]
     q = torch.randn(len(context_lens), heads, head_dim, dtype=torch.bfloat16)
     meta = decode_metadata(context_lens, num_blocks, block_size)
-    scale = head_dim**-0.5
-    want = TorchPagedAttention(scale).decode(q, kv_cache, meta)
-    got = CpuPagedAttention(scale, cpu_kernels()).decode(q, kv_cache, meta)
+    layout = HeadLayout(heads, kv_heads, head_dim, head_dim**-0.5)
+    want = TorchPagedAttention(layout).decode(q, kv_cache, meta)
+    got = CpuPagedAttention(layout, cpu_kernels()).decode(q, kv_cache, meta)
     _assert_close_in_bf16(got, want)
+
+
+@needs_avx512_bf16
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (16, 2, 128)])
+def test_a_decode_step_in_one_native_call_rotates_writes_and_attends_as_the_reference(heads, kv_heads, head_dim):
+    from gpu_worker.engine.rope import RotaryEmbedding
+
+    torch.manual_seed(heads)
+    block_size, num_blocks, context_lens = 16, 200, [1, 17, 300, 64]
+    meta = decode_metadata(context_lens, num_blocks, block_size)
+    layout = HeadLayout(heads, kv_heads, head_dim, head_dim**-0.5)
+    qkv = torch.randn(len(context_lens), (heads + 2 * kv_heads) * head_dim, dtype=torch.bfloat16)
+    cos, sin = RotaryEmbedding(head_dim, 10000.0, {}).cos_sin(meta.decode_context_lens - 1, torch.bfloat16)
+    before = torch.randn(2, num_blocks, kv_heads, block_size, head_dim, dtype=torch.bfloat16)
+    want_cache, got_cache = before.clone(), before.clone()
+    want = TorchPagedAttention(layout)(qkv.clone(), cos, sin, want_cache, meta)
+    got = CpuPagedAttention(layout, cpu_kernels())(qkv.clone(), cos, sin, got_cache, meta)
+    assert got.shape == (len(context_lens), heads * head_dim)
+    _assert_close_in_bf16(got, want)
+    assert torch.equal(got_cache, want_cache) and not torch.equal(got_cache, before)
 
 
 @needs_avx512_bf16
@@ -92,8 +112,9 @@ def test_native_kv_write_fills_the_same_slots_as_the_reference_from_a_fused_qkv_
     slots = torch.randperm(num_blocks * block_size)[:tokens]
     meta = AttentionMetadata(slots // block_size, slots % block_size, block_size, [], None, None, [])
     caches = [torch.zeros(2, num_blocks, kv_heads, block_size, head_dim, dtype=torch.bfloat16) for _ in range(2)]
-    TorchPagedAttention(1.0).write_kv(k, v, caches[0], meta)
-    CpuPagedAttention(1.0, cpu_kernels()).write_kv(k, v, caches[1], meta)
+    layout = HeadLayout(12, kv_heads, head_dim, 1.0)
+    TorchPagedAttention(layout).write_kv(k, v, caches[0], meta)
+    CpuPagedAttention(layout, cpu_kernels()).write_kv(k, v, caches[1], meta)
     assert torch.equal(caches[0], caches[1]) and caches[0].count_nonzero() == 2 * k.numel()
 
 

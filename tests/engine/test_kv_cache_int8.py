@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from gpu_worker.engine import LLM, SamplingParams
-from gpu_worker.engine.attention import AttentionMetadata
+from gpu_worker.engine.attention import AttentionMetadata, HeadLayout
 from gpu_worker.engine.errors import ModelLoadError
 from gpu_worker.engine.kernels import cpu_has_avx512_bf16, cpu_kernels
 from gpu_worker.engine.kv_cache_format import (
@@ -105,8 +105,9 @@ def test_native_int8_write_stores_the_references_values_and_scales_from_a_fused_
     slots = torch.randperm(num_blocks * block_size)[:tokens]
     meta = AttentionMetadata(slots // block_size, slots % block_size, block_size, [], None, None, [])
     caches = [_int8_cache(num_blocks, kv_heads, block_size, head_dim) for _ in range(2)]
-    ScaledPagedAttention(1.0).write_kv(k, v, caches[0], meta)
-    CpuInt8PagedAttention(1.0, cpu_kernels()).write_kv(k, v, caches[1], meta)
+    layout = HeadLayout(12, kv_heads, head_dim, 1.0)
+    ScaledPagedAttention(layout).write_kv(k, v, caches[0], meta)
+    CpuInt8PagedAttention(layout, cpu_kernels()).write_kv(k, v, caches[1], meta)
     assert torch.equal(caches[0].data, caches[1].data) and torch.equal(caches[0].scale, caches[1].scale)
     assert caches[1].scale.count_nonzero() == 2 * tokens * kv_heads
 
@@ -120,8 +121,9 @@ def test_native_int8_gather_dequantizes_exactly_as_the_reference(length):
     cache.data.copy_(torch.randint(-127, 128, cache.data.shape, dtype=torch.int8))
     cache.scale.copy_((torch.rand(cache.scale.shape) * 0.05 + 1e-3).bfloat16())
     tables = torch.stack([torch.randperm(num_blocks)[:10] for _ in range(3)])  # three sequences' blocks
-    want = ScaledPagedAttention(1.0).gather(cache, tables, length)
-    got = CpuInt8PagedAttention(1.0, cpu_kernels()).gather(cache, tables, length)
+    layout = HeadLayout(kv_heads, kv_heads, head_dim, 1.0)
+    want = ScaledPagedAttention(layout).gather(cache, tables, length)
+    got = CpuInt8PagedAttention(layout, cpu_kernels()).gather(cache, tables, length)
     for w, g in zip(want, got, strict=True):
         assert g.shape == (3, kv_heads, length, head_dim) and g.dtype == torch.bfloat16
         assert torch.equal(w, g)
@@ -138,11 +140,34 @@ def test_native_int8_decode_attention_matches_the_dequantizing_reference(heads, 
     context_lens = [1, 17, 300, 64, 5, 129]
     q = torch.randn(len(context_lens), heads, head_dim, dtype=torch.bfloat16)
     meta = decode_metadata(context_lens, num_blocks, block_size)
-    scale = head_dim**-0.5
-    want = ScaledPagedAttention(scale).decode(q.float(), ScaledKVCache(cache.data, cache.scale.float()), meta)
-    got = CpuInt8PagedAttention(scale, cpu_kernels()).decode(q, cache, meta)
+    layout = HeadLayout(heads, kv_heads, head_dim, head_dim**-0.5)
+    want = ScaledPagedAttention(layout).decode(q.float(), ScaledKVCache(cache.data, cache.scale.float()), meta)
+    got = CpuInt8PagedAttention(layout, cpu_kernels()).decode(q, cache, meta)
     assert got.dtype == torch.bfloat16
     assert ((got.float() - want).abs() <= 1e-2 * want.abs() + 1e-2 * want.abs().max()).all()
+
+
+@needs_avx512_bf16
+def test_an_int8_decode_step_in_one_native_call_writes_and_attends_as_the_reference():
+    from gpu_worker.engine.rope import RotaryEmbedding
+
+    torch.manual_seed(9)
+    heads, kv_heads, head_dim, block_size, num_blocks, context_lens = 9, 3, 64, 16, 60, [1, 17, 300, 64]
+    meta = decode_metadata(context_lens, num_blocks, block_size)
+    layout = HeadLayout(heads, kv_heads, head_dim, head_dim**-0.5)
+    qkv = torch.randn(len(context_lens), (heads + 2 * kv_heads) * head_dim, dtype=torch.bfloat16)
+    cos, sin = RotaryEmbedding(head_dim, 10000.0, {}).cos_sin(meta.decode_context_lens - 1, torch.bfloat16)
+    caches = [_int8_cache(num_blocks, kv_heads, block_size, head_dim) for _ in range(2)]
+    for cache in caches:
+        cache.data.copy_(torch.randint(-127, 128, cache.data.shape, generator=torch.Generator().manual_seed(1),
+                                       dtype=torch.int8))
+        cache.scale.fill_(0.02)
+    want = ScaledPagedAttention(layout)(qkv.clone(), cos, sin, caches[0], meta)
+    got = CpuInt8PagedAttention(layout, cpu_kernels())(qkv.clone(), cos, sin, caches[1], meta)
+    assert got.shape == (len(context_lens), heads * head_dim) and got.dtype == torch.bfloat16
+    assert ((got.float() - want.float()).abs() <= 1e-2 * want.float().abs() + 1e-2 * want.float().abs().max()).all()
+    assert torch.equal(caches[0].data, caches[1].data) and torch.equal(caches[0].scale, caches[1].scale)
+    assert not torch.equal(caches[1].scale, torch.full_like(caches[1].scale, 0.02))  # this step's rows written
 
 
 @needs_avx512_bf16
@@ -153,7 +178,7 @@ def test_bf16_serving_reads_the_int8_cache_natively_and_scores_as_the_reference_
     assert isinstance(native.engine.runner.model.layers[0].self_attn.attn, CpuInt8PagedAttention)
     reference = LLM(model, dtype="bfloat16", kv_cache_dtype="int8")
     for layer in reference.engine.runner.model.layers:
-        layer.self_attn.attn = ScaledPagedAttention(layer.self_attn.attn.scale)
+        layer.self_attn.attn = ScaledPagedAttention(layer.self_attn.attn.heads)
     got, want = native.generate(PROMPTS, params), reference.generate(PROMPTS, params)
     same = sum(a == b for o, r in zip(got, want, strict=True) for a, b in zip(o.token_ids, r.token_ids, strict=True))
     assert same >= 0.9 * sum(len(o.token_ids) for o in want)  # bf16 near-ties may flip a token, no more

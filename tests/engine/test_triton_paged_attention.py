@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernel is defined
 pytest.importorskip("triton", reason="Triton is not installed")
 
-from gpu_worker.engine.attention import TorchPagedAttention  # noqa: E402
+from gpu_worker.engine.attention import HeadLayout, TorchPagedAttention  # noqa: E402
 from gpu_worker.engine.kernels.triton_paged_attention import paged_decode  # noqa: E402
 from gpu_worker.engine.kv_cache_format import (  # noqa: E402
     ScaledKVCache,
@@ -45,7 +45,7 @@ def test_triton_decode_over_a_dense_cache_matches_the_reference(heads, kv_heads,
     q = torch.randn(len(CONTEXTS), heads, head_dim).to(dtype)
     meta = decode_metadata(CONTEXTS, NUM_BLOCKS, BLOCK_SIZE)
     scale = head_dim**-0.5
-    want = TorchPagedAttention(scale).decode(q.float(), cache.float(), meta)
+    want = TorchPagedAttention(HeadLayout(heads, kv_heads, head_dim, scale)).decode(q.float(), cache.float(), meta)
     got = paged_decode(q.to(DEVICE), cache[0].to(DEVICE), cache[1].to(DEVICE), meta.decode_block_tables.to(DEVICE),
                        meta.decode_context_lens.to(DEVICE), scale)
     _assert_close(got, want, dtype)
@@ -63,12 +63,12 @@ def test_triton_decode_reads_an_8_bit_cache_as_the_dequantizing_reference_does(h
     scales = (torch.rand(2, NUM_BLOCKS, kv_heads, BLOCK_SIZE) * 0.05 + 1e-3).to(dtype)
     q = torch.randn(len(CONTEXTS), heads, head_dim).to(dtype)
     meta = decode_metadata(CONTEXTS, NUM_BLOCKS, BLOCK_SIZE)
-    scale = head_dim**-0.5
-    want = ScaledPagedAttention(scale).decode(q.float(), ScaledKVCache(data, scales.float()), meta)
+    layout = HeadLayout(heads, kv_heads, head_dim, head_dim**-0.5)
+    want = ScaledPagedAttention(layout).decode(q.float(), ScaledKVCache(data, scales.float()), meta)
     cache = ScaledKVCache(data.to(DEVICE), scales.to(DEVICE))
     meta = dataclasses.replace(meta, decode_block_tables=meta.decode_block_tables.to(DEVICE),
                                decode_context_lens=meta.decode_context_lens.to(DEVICE))
-    got = TritonScaledPagedAttention(scale).decode(q.to(DEVICE), cache, meta)
+    got = TritonScaledPagedAttention(layout).decode(q.to(DEVICE), cache, meta)
     _assert_close(got, want, dtype)
 
 

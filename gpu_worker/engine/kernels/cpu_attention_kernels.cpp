@@ -269,3 +269,45 @@ torch::Tensor gather_int8_bf16(const torch::Tensor& kv_data, const torch::Tensor
   }
   return out;
 }
+
+namespace {
+
+// q [B, H, D], k and v [B, KVH, D]: views of a fused projection's rows qkv [B, (H + 2 KVH) D], after rotating
+// q's and k's heads in place.
+struct RotatedQkv {
+  torch::Tensor q, k, v;
+};
+
+RotatedQkv rotate(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin, int64_t H, int64_t KVH) {
+  const int64_t B = qkv.size(0), D = qkv.size(1) / (H + 2 * KVH);
+  TORCH_CHECK(qkv.size(1) == (H + 2 * KVH) * D, "qkv holds ", H, " query and 2 x ", KVH, " key/value heads");
+  rotary_inplace_bf16(qkv, cos, sin, H + KVH, D);
+  return {qkv.narrow(1, 0, H * D).contiguous().view({B, H, D}), qkv.narrow(1, H * D, KVH * D).view({B, KVH, D}),
+          qkv.narrow(1, (H + KVH) * D, KVH * D).view({B, KVH, D})};
+}
+
+}  // namespace
+
+// A decode-only step's attention for one layer in one call: rotary, the KV write and decode attention, which as
+// four calls from Python (with the split of qkv and the cache's views) spent more time in the interpreter than
+// in the kernels at batch 1. Returns [B, H * D].
+torch::Tensor decode_step_bf16(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+                               const torch::Tensor& kv_cache, const torch::Tensor& slot_blocks,
+                               const torch::Tensor& slot_offsets, const torch::Tensor& block_tables,
+                               const torch::Tensor& context_lens, int64_t H, int64_t KVH, double scale) {
+  auto [q, k, v] = rotate(qkv, cos, sin, H, KVH);
+  auto k_cache = kv_cache.select(0, 0), v_cache = kv_cache.select(0, 1);
+  write_kv_bf16(k, v, k_cache, v_cache, slot_blocks, slot_offsets);
+  return paged_decode_attention_bf16(q, k_cache, v_cache, block_tables, context_lens, scale).view({q.size(0), -1});
+}
+
+torch::Tensor decode_step_int8(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+                               const torch::Tensor& kv_data, const torch::Tensor& kv_scale,
+                               const torch::Tensor& slot_blocks, const torch::Tensor& slot_offsets,
+                               const torch::Tensor& block_tables, const torch::Tensor& context_lens, int64_t H,
+                               int64_t KVH, double scale) {
+  auto [q, k, v] = rotate(qkv, cos, sin, H, KVH);
+  auto data = kv_data, scales = kv_scale;
+  write_kv_int8(k, v, data, scales, slot_blocks, slot_offsets);
+  return paged_decode_attention_int8(q, kv_data, kv_scale, block_tables, context_lens, scale).view({q.size(0), -1});
+}

@@ -171,4 +171,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention_int8", &paged_decode_attention_int8);
   m.def("write_kv_int8", &write_kv_int8);
   m.def("gather_int8_bf16", &gather_int8_bf16);
+  m.def("decode_step_bf16", &decode_step_bf16);
+  m.def("decode_step_int8", &decode_step_int8);
 }
