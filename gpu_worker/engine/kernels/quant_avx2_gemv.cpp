@@ -125,10 +125,7 @@ void a8_rows(const RunQuantizedX& x, const Int4Rows& rows, const S* scale, const
 template <typename S>
 torch::Tensor gemv_a8(const torch::Tensor& x, const Int4Rows& rows, const S* scale, const S* offset, int64_t N,
                       int64_t G) {
-  TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
-              "x must be a float32 or bfloat16 CPU tensor");
-  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kMaxRowsAtOnce && x.size(1) == rows.K,
-              "x must be [M, K] with 1 <= M <= ", kMaxRowsAtOnce, " and K = ", rows.K, ", got ", x.sizes());
+  check_few_rows_x(x, rows.K);
   const RunQuantizedX xq = quantize_runs(x, G);
   auto y = torch::empty({x.size(0), N}, x.options());
   const auto run = [&](auto* yp) {

@@ -98,6 +98,14 @@ inline void int4_run_avx512(const uint8_t* p, float scale, float offset, uint16_
   }
 }
 
+// x of a few-row product: [M, K], 1 <= M <= kMaxRowsAtOnce, float32 or bf16.
+inline void check_few_rows_x(const torch::Tensor& x, int64_t K) {
+  TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "x must be a float32 or bfloat16 CPU tensor");
+  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kMaxRowsAtOnce && x.size(1) == K,
+              "x must be [M, K] with 1 <= M <= ", kMaxRowsAtOnce, " and K = ", K, ", got ", x.sizes());
+}
+
 inline void check_scales(const torch::Tensor& s, at::IntArrayRef shape, const char* name) {
   TORCH_CHECK(s.device().is_cpu() && (s.scalar_type() == at::kFloat || s.scalar_type() == at::kBFloat16),
               name, " must be a float32 or bfloat16 CPU tensor");

@@ -129,13 +129,6 @@ const float* x_as_fp32(const torch::Tensor& x, std::vector<float>& buffer) {
   return buffer.data();
 }
 
-void check_x(const torch::Tensor& x, int64_t K) {
-  TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
-              "x must be a float32 or bfloat16 CPU tensor");
-  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kMaxRowsAtOnce && x.size(1) == K,
-              "x must be [M, K] with 1 <= M <= ", kMaxRowsAtOnce, " and K = ", K, ", got ", x.sizes());
-}
-
 // Plain loops for CPUs without AVX512-BF16 (quant_common.h has the fast ones); the compiler vectorized them
 // poorly (~4 G weights/s on 2 cores, slower than the matmul they feed). Chosen once at start-up.
 void int8_run_plain(const int8_t* q, float scale, uint16_t* d, int64_t n) {
@@ -245,7 +238,7 @@ torch::Tensor int8_gemv(const torch::Tensor& x, const torch::Tensor& q, const to
   const Int8Weight w = int8_weight(q, scale);
   const int8_t* qp = w.q;
   const int64_t N = w.N, K = w.K, G = w.G;
-  check_x(x, K);
+  check_few_rows_x(x, K);
   const auto& sc = w.scale;
   std::vector<float> x_buffer;
   const float* xp = x_as_fp32(x, x_buffer);
@@ -305,7 +298,7 @@ torch::Tensor bf16_mm(const torch::Tensor& x, const torch::Tensor& w) {
       for (int64_t i = a * K; i < b * K; i++) out[i - a * K] = bf16_to_float(wp[i]);
     });
   }
-  check_x(x, K);
+  check_few_rows_x(x, K);
   std::vector<float> x_buffer;
   const float* xp = x_as_fp32(x, x_buffer);
   auto y = torch::empty({x.size(0), N}, x.options());
