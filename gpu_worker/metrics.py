@@ -39,6 +39,10 @@ class EngineCollector:
             "tokenfleet:prefix_cache_hits": ("Prompt tokens found in the prefix cache", stats["prefix_cache_hits"]),
             "tokenfleet:engine_busy_seconds": ("Wall time of every engine step (utilization = its rate)",
                                                stats["busy_seconds"]),
+            "tokenfleet:spec_decode_num_draft_tokens": ("Tokens proposed for speculative decoding",
+                                                        stats["spec_decode_num_draft_tokens"]),
+            "tokenfleet:spec_decode_num_accepted_tokens": ("Proposed tokens the model agreed with",
+                                                           stats["spec_decode_num_accepted_tokens"]),
         }
         for name, (doc, value) in counters.items():
             family = CounterMetricFamily(name, doc, labels=["model"])

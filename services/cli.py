@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import sys
 from pathlib import Path
+
+SPECULATIVE_HELP = 'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4}'
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -13,7 +16,8 @@ def _generate(args: argparse.Namespace) -> int:
 
     try:
         engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
-                                        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype))
+                                        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+                                        speculative=json.loads(args.speculative_config or "null")))
     except (ModelLoadError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -55,6 +59,7 @@ BENCHMARKS = {
     "semantic-cache": ("bench.semantic_cache", "semantic cache hit / wrong-hit rates on the shipped pairs"),
     "quality": ("bench.quality", "perplexity, greedy agreement and task accuracy against a reference"),
     "quant": ("bench.quant", "int8 / int4 weights against bf16: bytes, quality and speed (and llama.cpp)"),
+    "spec": ("bench.spec", "speculative decoding (n-gram) on against off at batch 1, on quote-heavy and chat prompts"),
 }
 
 
@@ -118,7 +123,7 @@ def _worker(args: argparse.Namespace) -> int:
 
     flags = {"model": args.model, "served_model_name": args.served_model_name, "device": args.device,
              "dtype": args.dtype, "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
-             "tier": args.tier,
+             "speculative": args.speculative_config, "tier": args.tier,
              "metrics_port": args.metrics_port}
     return _run_service("worker", serve, WorkerSettings(**{k: v for k, v in flags.items() if v is not None}))
 
@@ -181,6 +186,7 @@ def _add_service_commands(sub) -> None:
     worker.add_argument("--quantization", default=None,
                         help="int8 / int4: quantize the weights at load time (a quantized checkpoint needs no flag)")
     worker.add_argument("--kv-cache-dtype", default=None, help="auto (the serving dtype), int8, or fp8 (CUDA)")
+    worker.add_argument("--speculative-config", default=None, help=SPECULATIVE_HELP)
     worker.add_argument("--tier", default=None, help="small / large: the tiers model=auto chooses between")
     worker.add_argument("--metrics-port", type=int, default=None)
     worker.set_defaults(func=_worker)
@@ -229,6 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", default="cpu")
     gen.add_argument("--quantization", default=None, help="int8 / int4: quantize the weights at load time")
     gen.add_argument("--kv-cache-dtype", default="auto", help="auto (the serving dtype), int8, or fp8 (CUDA)")
+    gen.add_argument("--speculative-config", default=None, help=SPECULATIVE_HELP)
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)

@@ -6,6 +6,7 @@ Each service gets only its own settings object; the README's settings table list
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Literal
@@ -116,6 +117,8 @@ class WorkerSettings(BaseSettings):
     dtype: str = "auto"
     quantization: str | None = None  # int8 / int4 weights quantized at load (a quantized checkpoint needs none)
     kv_cache_dtype: str = "auto"  # int8: keys and values at 8 bits, ~1.9x the tokens in the same KV memory
+    # Speculative decoding, vLLM's speculative_config as JSON: {"method": "ngram", "num_speculative_tokens": 4}
+    speculative: dict | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     kv_cache_memory_bytes: int | None = None
@@ -130,3 +133,11 @@ class WorkerSettings(BaseSettings):
     def _no_quantization(cls, value: str | None) -> str | None:
         """An empty value (compose's `${VAR:-}`) or "none" means unquantized."""
         return None if value is None or value.lower() in ("", "none") else value
+
+    @field_validator("speculative", mode="before")
+    @classmethod
+    def _speculative_json(cls, value):
+        """JSON from a flag; empty (compose's `${VAR:-}`) or "none": off. Settings are checked at engine start."""
+        if isinstance(value, str):
+            return None if value.strip().lower() in ("", "none") else json.loads(value)
+        return value

@@ -23,3 +23,5 @@ class EngineConfig:
     # checkpoint is served as it is, with no flag (a flag naming another method is refused).
     quantization: str | None = None
     kv_cache_dtype: str = "auto"  # or int8: keys and values at 8 bits with a scale per token and head
+    # Speculative decoding, vLLM's speculative_config: {"method": "ngram", "num_speculative_tokens": k, ...}.
+    speculative: dict | None = None

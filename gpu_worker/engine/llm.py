@@ -14,6 +14,8 @@ from .sampling_params import SamplingParams
 
 class LLM:
     def __init__(self, model: str, **engine_kwargs):
+        if "speculative_config" in engine_kwargs:  # vLLM's spelling
+            engine_kwargs["speculative"] = engine_kwargs.pop("speculative_config")
         known = {f.name for f in fields(EngineConfig)}
         unknown = set(engine_kwargs) - known
         if unknown:

@@ -25,6 +25,7 @@ from .sampler import SampledToken
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from .sequence import ResumedChoice, Sequence
+from .speculative import SpeculativeConfig, proposer_for
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +76,8 @@ class LLMEngine:
         num_blocks = self._num_blocks()
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len), self.kv
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len), self.kv,
+            proposer_for(SpeculativeConfig.parse(config.speculative)),
         )
         self.runner = ModelRunner(model, num_blocks, config.block_size, self.kv_format, self.device)
         log.info("%s: %s weights%s, KV cache %s: %d blocks of %d tokens (%d tokens)", self.model_path, self.dtype,
@@ -177,9 +179,10 @@ class LLMEngine:
         sampled, prompt_logprobs = self.runner.execute(out)
         elapsed = time.perf_counter() - started
         self._record_prompt_logprobs(out, prompt_logprobs)
-        self.scheduler.update(out, {k: v.token_id for k, v in sampled.items()}, self.eos_token_ids)
+        taken = self.scheduler.update(out, {k: [t.token_id for t in v] for k, v in sampled.items()},
+                                      self.eos_token_ids)
         self._attribute_step_time(out, elapsed)
-        outputs = self._process_samples(out, sampled)
+        outputs = self._process_samples(out, {k: v[:taken[k]] for k, v in sampled.items()})
         self.scheduler.release_finished()
         return outputs
 
@@ -195,22 +198,26 @@ class LLMEngine:
             if (state := self.requests.get(group_id)) is not None:
                 state.engine_seconds += seconds
 
-    def _process_samples(self, out: SchedulerOutput, sampled: dict[int, SampledToken]) -> list[RequestOutput]:
+    def _process_samples(self, out: SchedulerOutput, sampled: dict[int, list[SampledToken]]) -> list[RequestOutput]:
         now = time.perf_counter()
         deltas: dict[str, list[CompletionOutput]] = {}
         for chunk in out.chunks:
-            seq, token = chunk.seq, sampled.get(chunk.seq.seq_id)
-            if token is None:
+            seq, tokens = chunk.seq, sampled.get(chunk.seq.seq_id)
+            if tokens is None:
                 continue
             state = self.requests[seq.group_id]
             state.first_token_time = state.first_token_time or now
             detok = state.detokenizers[seq.index]
-            stop = detok.add_token(token.token_id)
-            if stop is not None:
-                seq.finish("stop", stop)
+            # Up to a stop string: nothing after a stop is emitted or billed.
+            for i, token in enumerate(tokens):
+                if (stop := detok.add_token(token.token_id)) is not None:
+                    seq.finish("stop", stop)
+                    del seq.token_ids[seq.num_tokens - len(tokens) + i + 1:]
+                    tokens = tokens[:i + 1]
+                    break
             deltas.setdefault(state.request_id, []).append(CompletionOutput(
-                seq.index, detok.take_delta(seq.is_finished), [token.token_id], seq.finish_reason,
-                seq.stop_reason, None if token.logprobs is None else [token.logprobs],
+                seq.index, detok.take_delta(seq.is_finished), [t.token_id for t in tokens], seq.finish_reason,
+                seq.stop_reason, None if tokens[0].logprobs is None else [t.logprobs for t in tokens],
             ))
         results = []
         for request_id, completions in deltas.items():
@@ -247,4 +254,6 @@ class LLMEngine:
             "prefix_cache_queries": self.kv.num_queried_tokens,  # tokens, as vLLM counts them
             "prefix_cache_hits": self.kv.num_hit_tokens,
             "busy_seconds": self.busy_seconds,  # wall time of every step so far: what the requests' shares sum to
+            "spec_decode_num_draft_tokens": self.scheduler.num_guessed_tokens,  # vLLM's names
+            "spec_decode_num_accepted_tokens": self.scheduler.num_accepted_tokens,
         }

@@ -11,6 +11,7 @@ from .model import Transformer
 from .prompt_logprobs import PromptLogprobs, prompt_logprobs
 from .sampler import SampledToken, Sampler, SamplingBatch, position_uniform
 from .scheduler import ScheduledChunk, SchedulerOutput
+from .speculative import accepted_prefix
 
 
 class ModelRunner:
@@ -25,54 +26,69 @@ class ModelRunner:
         self.sampler = Sampler()
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> tuple[dict[int, SampledToken], dict[int, PromptLogprobs]]:
-        """The token sampled for each sequence whose chunk ends in a sample, and the prompt log-probabilities
-        of the chunks that asked for them, both by sequence id."""
+    def execute(self, out: SchedulerOutput) -> tuple[dict[int, list[SampledToken]], dict[int, PromptLogprobs]]:
+        """The tokens sampled for each sequence whose chunk ends in a sample (one, or with guesses those kept and
+        the model's next), and the prompt log-probabilities of the chunks that asked for them, by sequence id."""
         # Decode tokens first, shortest context first: attended in groups; then prefill chunks one by one.
-        chunks = sorted(out.chunks, key=lambda c: (c.num_tokens != 1, c.start))
+        chunks = sorted(out.chunks, key=lambda c: (not _decodes(c), c.start))
         input_ids, positions, meta = self._prepare(chunks)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         return self._sample(chunks, hidden), prompt_logprobs(self.model, chunks, hidden)
 
-    def _sample(self, chunks: list[ScheduledChunk], hidden: torch.Tensor) -> dict[int, SampledToken]:
+    def _sample(self, chunks: list[ScheduledChunk], hidden: torch.Tensor) -> dict[int, list[SampledToken]]:
         sample_rows, sampled_chunks, row = [], [], 0
         for chunk in chunks:
             row += chunk.num_tokens
-            if chunk.sample:
-                sample_rows.append(row - 1)
+            if chunk.sample:  # the last row, and with guesses the rows scoring them
+                sample_rows.extend(range(row - 1 - len(chunk.guesses), row))
                 sampled_chunks.append(chunk)
         if not sampled_chunks:
             return {}
         logits = self.model.logits(hidden[torch.tensor(sample_rows, device=self.device)])
-        tokens = self.sampler(logits, _sampling_batch(sampled_chunks))
-        return {c.seq.seq_id: t for c, t in zip(sampled_chunks, tokens, strict=True)}
+        rows_of = [c for c in sampled_chunks for _ in range(len(c.guesses) + 1)]
+        tokens = iter(self.sampler(logits, _sampling_batch(rows_of)))
+        out = {}
+        for c in sampled_chunks:
+            choices = [next(tokens) for _ in range(len(c.guesses) + 1)]
+            if c.guesses:
+                kept = accepted_prefix(c.guesses, [t.token_id for t in choices])
+                choices = choices[:len(kept)]
+            out[c.seq.seq_id] = choices
+        return out
 
     def _prepare(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
-        decodes = [c for c in chunks if c.num_tokens == 1]
+        decodes = [c for c in chunks if _decodes(c)]
         for c in chunks:
-            ids.extend(c.seq.token_ids[c.start:c.start + c.num_tokens])
+            ids.extend(c.token_ids)
             pos.extend(range(c.start, c.start + c.num_tokens))
         blocks = [c.block_table[p // bs] for c in chunks for p in range(c.start, c.start + c.num_tokens)]
         dev = self.device
         as_long = {"dtype": torch.long, "device": dev}
         positions = torch.tensor(pos, **as_long)
-        context_lens = [c.start + 1 for c in decodes]
+        # A chunk with guesses is decode rows too, one per token, each seeing the context up to itself: all of
+        # the step's keys are written before attention reads them.
+        context_lens = [c.start + 1 + i for c in decodes for i in range(c.num_tokens)]
         meta = AttentionMetadata(torch.tensor(blocks, **as_long), positions % bs, bs, context_lens, None, None, [])
         if decodes:
             width = max(len(c.block_table) for c in decodes)
             meta.decode_block_tables = torch.tensor([c.block_table + [0] * (width - len(c.block_table))
-                                                     for c in decodes], **as_long)
+                                                     for c in decodes for _ in range(c.num_tokens)], **as_long)
             meta.decode_context_lens = torch.tensor(context_lens, **as_long)
-        start = len(decodes)
+        start = len(context_lens)
         for c in chunks[len(decodes):]:
             ctx = c.start + c.num_tokens
             table = torch.tensor(c.block_table[: cdiv(ctx, bs)], **as_long)
             meta.prefills.append(PrefillChunk.build(start, c.num_tokens, ctx, table))
             start += c.num_tokens
         return torch.tensor(ids, **as_long), positions, meta
+
+
+def _decodes(chunk: ScheduledChunk) -> bool:
+    """A decode step's chunk: one token, or its last token and the guesses after it."""
+    return chunk.num_tokens == 1 or bool(chunk.guesses)
 
 
 def _sampling_batch(chunks: list[ScheduledChunk]) -> SamplingBatch:

@@ -11,6 +11,9 @@ from dataclasses import dataclass, field
 
 from .kv_cache_manager import KVCacheManager
 from .sequence import Sequence, SequenceStatus
+from .speculative import NgramProposer, NoProposer
+
+Proposer = NoProposer | NgramProposer
 
 
 @dataclass(frozen=True)
@@ -24,13 +27,21 @@ class SchedulerConfig:
 
 @dataclass
 class ScheduledChunk:
-    """Run tokens [start, start + num_tokens) of `seq`; sample a token after them when `sample` is set."""
+    """Run tokens [start, start + num_tokens) of `seq`; sample a token after them when `sample` is set.
+
+    A decode chunk may end in `guesses`, a proposer's tokens after the sequence's last: the step scores them too,
+    and the sequence keeps those the model agrees with (speculative decoding)."""
 
     seq: Sequence
     start: int
     num_tokens: int
     block_table: list[int]
     sample: bool
+    guesses: list[int] = field(default_factory=list)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.seq.token_ids[self.start:self.start + self.num_tokens - len(self.guesses)] + self.guesses
 
 
 @dataclass
@@ -50,9 +61,12 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, proposer: Proposer | None = None):
         self.config = config
         self.kv = kv
+        self.proposer = proposer or NoProposer()
+        self.num_guessed_tokens = 0
+        self.num_accepted_tokens = 0
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -96,17 +110,24 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(seq, n):
+            guesses = self._guesses(seq, budget) if n == 1 else []
+            while not self.kv.allocate_slots(seq, n + len(guesses)):
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is seq:
                     break
             else:
-                out.chunks.append(self._chunk(seq, n))
-                budget -= n
+                out.chunks.append(self._chunk(seq, n, guesses))
+                budget -= n + len(guesses)
                 i += 1
         return budget
+
+    def _guesses(self, seq: Sequence, budget: int) -> list[int]:
+        """The proposer's tokens for a decoding sequence, no more than the step's budget, its max_tokens and the
+        model's length leave room for after the token the step samples anyway."""
+        room = min(budget, seq.params.max_tokens - seq.num_output_tokens, self.config.max_model_len - seq.num_tokens)
+        return self.proposer.propose(seq, room - 1) if not seq.forks_pending else []
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         self.waiting.sort(key=self._waiting_key)
@@ -128,9 +149,10 @@ class Scheduler:
             out.chunks.append(self._chunk(seq, n))
             budget -= n
 
-    def _chunk(self, seq: Sequence, n: int) -> ScheduledChunk:
+    def _chunk(self, seq: Sequence, n: int, guesses: list[int] | None = None) -> ScheduledChunk:
         start = seq.num_computed_tokens
-        return ScheduledChunk(seq, start, n, self.kv.block_table(seq), sample=start + n == seq.num_tokens)
+        return ScheduledChunk(seq, start, n + len(guesses or ()), self.kv.block_table(seq),
+                              sample=start + n == seq.num_tokens, guesses=guesses or [])
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv.free(seq)
@@ -140,18 +162,34 @@ class Scheduler:
         self.waiting.append(seq)
         self.num_preemptions += 1
 
-    def update(self, out: SchedulerOutput, sampled: dict[int, int], eos_token_ids: frozenset[int]) -> None:
-        """Advance sequences by what ran, append sampled tokens, fork n > 1 samples, free finished ones."""
+    def update(self, out: SchedulerOutput, sampled: dict[int, list[int]],
+               eos_token_ids: frozenset[int]) -> dict[int, int]:
+        """Advance sequences by what ran, append sampled tokens (a chunk with guesses may bring several: the
+        guesses kept, then the model's own), fork n > 1 samples, free finished ones. A stop within the tokens
+        drops those after it. Returns how many of its sampled tokens each sequence took."""
+        taken = {}
         for chunk in out.chunks:
             seq = chunk.seq
-            seq.num_computed_tokens += chunk.num_tokens
+            appended = 0
+            if chunk.sample:
+                tokens = sampled[seq.seq_id]
+                self.num_guessed_tokens += len(chunk.guesses)
+                self.num_accepted_tokens += len(tokens) - 1
+                for token in tokens:
+                    seq.token_ids.append(token)
+                    appended += 1
+                    seq.check_token_stop(eos_token_ids, self.config.max_model_len)
+                    if seq.is_finished:
+                        break
+                taken[seq.seq_id] = appended
+            # The step wrote KV for the chunk's tokens; of its guesses, only those now in the sequence before its
+            # last token count. The others' slots are overwritten when those positions run again.
+            seq.num_computed_tokens += chunk.num_tokens - len(chunk.guesses) + max(appended - 1, 0)
             self.kv.cache_full_blocks(seq)
             if seq.forks_pending and seq.num_computed_tokens >= seq.num_prompt_tokens:
                 self._fork_pending(seq)
-            if chunk.sample:
-                seq.token_ids.append(sampled[seq.seq_id])
-                seq.check_token_stop(eos_token_ids, self.config.max_model_len)
         self.release_finished()
+        return taken
 
     def _fork_pending(self, parent: Sequence) -> None:
         """Forks join the running set, where preemption can reclaim their blocks; a fork left waiting with

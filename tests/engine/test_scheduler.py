@@ -27,7 +27,7 @@ def make_scheduler(num_blocks: int = 256, block_size: int = 4, prefix_caching: b
 def step(sched: Scheduler, token: int = TOKEN, eos: frozenset[int] = frozenset()) -> SchedulerOutput:
     """One engine step without a model: every chunk that asks for a sample gets `token`."""
     out = sched.schedule()
-    sched.update(out, {c.seq.seq_id: token for c in out.chunks if c.sample}, eos_token_ids=eos)
+    sched.update(out, {c.seq.seq_id: [token] for c in out.chunks if c.sample}, eos_token_ids=eos)
     return out
 
 

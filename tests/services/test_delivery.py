@@ -141,7 +141,7 @@ def test_work_a_draining_worker_cannot_finish_in_time_is_handed_back_and_complet
         leaving, staying = sorted(pair, key=lambda w: not started.worker_id.endswith(f"-{w.pid}"))
         leaving.send_signal(signal.SIGTERM)
         received += list(lines)
-    assert leaving.wait(30) == 0
+    assert leaving.wait(60) == 0  # a loaded 2-core host took over 30 s to stop a worker
     chunks = [json.loads(line[6:]) for line in received if line.startswith("data: {")]
     assert chunks[-1]["usage"]["completion_tokens"] == max_tokens
     replies = [p.decode(p.ReplyChunk, f) for _, f in stack.redis().xrange(p.reply_stream(

@@ -1,0 +1,99 @@
+"""Speculative decoding: a proposer guesses a running sequence's next tokens, the step scores them with its last
+token in one forward, and the verifier keeps the guesses the model itself would have produced.
+
+At batch 1 a decode step is bound by reading the weights, and scoring k + 1 positions costs about what scoring
+one does: every accepted guess is a token for (nearly) free. Greedy requests only, for now: the verifier accepts a
+guess where it equals the model's argmax, so the output is the non-speculative output token for token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .sequence import Sequence
+
+METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's `speculative_config` keys: `method`, `num_speculative_tokens`, `prompt_lookup_min/max`."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+
+    @classmethod
+    def parse(cls, value: dict | None) -> SpeculativeConfig | None:
+        if value is None:
+            return None
+        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
+        if unknown := set(value) - known:
+            raise ValueError(f"unknown speculative settings: {', '.join(sorted(unknown))} "
+                             f"(known: {', '.join(sorted(known))})")
+        config = cls(**value) if "method" in value and "num_speculative_tokens" in value else None
+        if config is None:
+            raise ValueError("speculative settings need 'method' and 'num_speculative_tokens'")
+        if config.method not in METHODS:
+            raise ValueError(f"speculative method {config.method!r} is not supported; supported: {', '.join(METHODS)}")
+        if config.num_speculative_tokens < 1:
+            raise ValueError("num_speculative_tokens must be at least 1")
+        if not 1 <= config.prompt_lookup_min <= config.prompt_lookup_max:
+            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        return config
+
+
+class NoProposer:
+    """Speculation off: no sequence gets guesses."""
+
+    def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
+        return []
+
+
+class NgramProposer:
+    """Prompt lookup: the longest suffix of the sequence (prompt and output) that occurred earlier in it proposes
+    the tokens that followed its latest earlier occurrence. Strong where the output quotes its input (RAG answers,
+    code edits, summaries with citations); free where it finds nothing."""
+
+    def __init__(self, config: SpeculativeConfig):
+        self.k = config.num_speculative_tokens
+        self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
+
+    def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
+        k = min(self.k, max_tokens)
+        if k <= 0 or not _speculates(seq):
+            return []
+        tokens = np.asarray(seq.token_ids)
+        for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
+            windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)  # every earlier n-gram
+            starts = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
+            if len(starts):
+                follow = starts[-1] + n
+                return tokens[follow:follow + k].tolist()
+        return []
+
+
+def proposer_for(config: SpeculativeConfig | None) -> NoProposer | NgramProposer:
+    return NoProposer() if config is None else NgramProposer(config)
+
+
+def _speculates(seq: Sequence) -> bool:
+    """Greedy requests without penalties or log-probabilities: those whose next token is the argmax of the
+    model's raw logits, which the verifier compares guesses with."""
+    params = seq.params
+    return params.greedy and not params.has_penalties and params.logprobs is None
+
+
+def accepted_prefix(guesses: list[int], argmaxes: list[int]) -> list[int]:
+    """The tokens a step with guesses produces: the guesses the model agrees with, then its own next token.
+    argmaxes[i] is the model's choice after the sequence and guesses[:i]."""
+    out = []
+    for guess, choice in zip(guesses, argmaxes, strict=False):
+        out.append(choice)
+        if guess != choice:
+            return out
+    out.append(argmaxes[len(guesses)])
+    return out

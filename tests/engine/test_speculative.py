@@ -1,0 +1,129 @@
+"""Speculative decoding with n-gram (prompt lookup) guesses: greedy output is the non-speculative output token for
+token, with guesses actually kept, and every stop condition inside a run of kept guesses holds exactly."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpu_worker.engine import LLM, SamplingParams
+from gpu_worker.engine.sequence import Sequence
+from gpu_worker.engine.speculative import NgramProposer, SpeculativeConfig, accepted_prefix
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+# Repetitive prompts: small random models fall into loops, which the n-gram proposer then predicts.
+PROMPTS = [[5, 17, 42, 9, 33, 2, 71, 8] * 6, [90, 3, 3, 14] * 10, list(range(200, 260)), [7] * 30 + [8, 9]]
+
+
+def _seq(tokens: list[int], **params) -> Sequence:
+    return Sequence(0, "g", 0, list(tokens), len(tokens), SamplingParams(temperature=0.0, **params), seed=0)
+
+
+def test_ngram_proposes_what_followed_the_latest_earlier_occurrence_of_the_longest_suffix():
+    proposer = NgramProposer(SpeculativeConfig("ngram", 3, prompt_lookup_min=1, prompt_lookup_max=3))
+    # The suffix [1, 2] occurred twice before; its latest occurrence was followed by 7, 8, 1.
+    assert proposer.propose(_seq([1, 2, 5, 6, 1, 2, 7, 8, 1, 2]), 10) == [7, 8, 1]
+    assert proposer.propose(_seq([1, 2, 5, 6, 1, 2, 7, 8, 1, 2]), 2) == [7, 8]  # no more than room allows
+    assert proposer.propose(_seq([1, 2, 3, 4]), 10) == []  # nothing repeats
+    assert proposer.propose(_seq([4, 4, 4, 4]), 10) == [4]  # the latest occurrence, overlapping the suffix
+
+
+def test_sampled_requests_and_requests_wanting_logprobs_get_no_guesses():
+    proposer = NgramProposer(SpeculativeConfig("ngram", 3))
+    repeating = [1, 2, 3, 1, 2, 3, 1, 2]
+    assert proposer.propose(_seq(repeating), 10) == [3, 1, 2]
+    assert proposer.propose(_seq(repeating, logprobs=2), 10) == []
+    assert proposer.propose(_seq(repeating, repetition_penalty=1.2), 10) == []
+    sampled = Sequence(0, "g", 0, repeating, 8, SamplingParams(temperature=0.8), seed=0)
+    assert proposer.propose(sampled, 10) == []
+
+
+def test_the_verifier_keeps_guesses_up_to_the_first_disagreement_then_the_models_token():
+    assert accepted_prefix([4, 5, 6], [4, 5, 6, 7]) == [4, 5, 6, 7]  # all kept, plus the bonus token
+    assert accepted_prefix([4, 5, 6], [4, 9, 6, 7]) == [4, 9]
+    assert accepted_prefix([4, 5, 6], [1, 5, 6, 7]) == [1]
+
+
+class ReplayingProposer:
+    """Guesses the continuation a non-speculative run produced, every third guess wrong: the verifier must keep
+    the right guesses up to the first wrong one and no further. (The tiny random test models never repeat
+    themselves, so n-gram guesses would rarely be kept.)"""
+
+    def __init__(self, prompts: list[list[int]], outputs: list[list[int]], k: int = 4):
+        self.continuations = {tuple(p): o for p, o in zip(prompts, outputs, strict=True)}
+        self.k, self.calls = k, 0
+
+    def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
+        self.calls += 1
+        done = seq.num_output_tokens
+        guesses = self.continuations[tuple(seq.token_ids[:seq.num_prompt_tokens])][done:done + min(self.k, max_tokens)]
+        return [g + 1 if (self.calls + i) % 3 == 0 else g for i, g in enumerate(guesses)]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_greedy_output_is_identical_with_ngram_speculation(make_checkpoint, arch):
+    model = str(make_checkpoint(arch))
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    plain = LLM(model, dtype="float32").generate(PROMPTS, params)
+    # Small steps (chunked prefill, guesses bounded by the budget) and a pool small enough to preempt.
+    fast = LLM(model, dtype="float32", speculative=NGRAM, max_num_batched_tokens=24, kv_cache_memory_bytes=1 << 20)
+    assert [o.token_ids for o in fast.generate(PROMPTS, params)] == [o.token_ids for o in plain]
+    assert fast.engine.stats()["spec_decode_num_draft_tokens"] > 0 and fast.engine.stats()["kv_blocks_used"] == 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_kept_guesses_and_rejected_ones_give_the_non_speculative_output_token_for_token(make_checkpoint, arch):
+    model = str(make_checkpoint(arch))
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    plain = [o.token_ids for o in LLM(model, dtype="float32").generate(PROMPTS, params)]
+    fast = LLM(model, dtype="float32", speculative=NGRAM, max_num_batched_tokens=24, kv_cache_memory_bytes=1 << 20)
+    fast.engine.scheduler.proposer = ReplayingProposer(PROMPTS, plain)
+    assert [o.token_ids for o in fast.generate(PROMPTS, params)] == plain
+    stats = fast.engine.stats()
+    assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
+    assert stats["kv_blocks_used"] == 0
+
+
+def test_vllms_speculative_config_spelling_is_accepted_and_bad_settings_are_refused(make_checkpoint):
+    model = str(make_checkpoint("llama"))
+    assert LLM(model, dtype="float32", speculative_config=NGRAM).engine.scheduler.proposer.k == 4
+    with pytest.raises(ValueError, match="not supported"):
+        LLM(model, dtype="float32", speculative={"method": "eagle", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        LLM(model, dtype="float32", speculative={"method": "ngram"})
+
+
+@pytest.fixture(scope="module")
+def replayed(make_checkpoint):
+    """The plain engine, its greedy output for PROMPTS[0], and an engine whose guesses replay that output."""
+    model = str(make_checkpoint("llama"))
+    plain = LLM(model, dtype="float32")
+    free = plain.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))[0].token_ids
+    fast = LLM(model, dtype="float32", speculative=NGRAM)
+    fast.engine.scheduler.proposer = ReplayingProposer([PROMPTS[0]], [free])
+    return plain, free, fast
+
+
+def test_max_tokens_inside_a_run_of_kept_guesses_ends_the_output_exactly_there(replayed):
+    _, free, fast = replayed
+    for max_tokens in (1, 7, 13):
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        out = fast.generate(PROMPTS[0], params)[0]
+        assert out.token_ids == free[:max_tokens] and out.finish_reason == "length"
+
+
+def test_a_stop_token_inside_a_run_of_kept_guesses_is_the_last_token(replayed):
+    _, free, fast = replayed
+    stop_at = free[-5]
+    out = fast.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True,
+                                                   stop_token_ids=[stop_at]))[0]
+    assert out.token_ids == free[:free.index(stop_at) + 1] and out.finish_reason == "stop"
+
+
+def test_a_stop_string_inside_a_run_of_kept_guesses_cuts_the_text_and_the_tokens(replayed):
+    plain, free, fast = replayed
+    text = plain.tokenizer.decode(free)
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=[stop])
+    want, got = plain.generate(PROMPTS[0], params)[0], fast.generate(PROMPTS[0], params)[0]
+    assert (got.text, got.token_ids, got.finish_reason) == (want.text, want.token_ids, "stop")
+    assert len(got.token_ids) < 40
