@@ -3,7 +3,8 @@
 On CPU, bf16 `F.linear` re-lays out its weight for oneDNN on every call; packing it once at load time
 (the layout inductor's CPU freezing uses) runs the same math 1.3-1.9x faster here. For a single row
 (batch-1 decode, memory-bound) our AVX512-BF16 loop in `kernels/cpu_kernels.cpp` reads weights ~1.5x
-faster still. On CPUs without native bf16 products (plain AVX2), where oneDNN will not pack bf16, the weight is
+faster still, and up to 5 rows (a decode step with speculative guesses) 1.1-1.2x. On CPUs without native bf16
+products (plain AVX2), where oneDNN will not pack bf16, the weight is
 widened to float32 as it is read. The reference stays the default everywhere else and is what exactness tests
 compare against.
 Quantized weights plug in as more kernels (`quantization/kernels.py`), each holding its own weight.
@@ -23,6 +24,9 @@ from .quantization.weights import QuantizedWeight
 
 # The row count oneDNN tunes the packed layout for; it serves every row count correctly.
 PACKING_BATCH_HINT = 128
+# Rows up to which `gemv_bf16` (weights read once for all rows) beats oneDNN's packed matmul: batch-1 decode, and a
+# decode step scoring 4 guesses.
+GEMV_ROWS = 5
 
 
 class TorchLinearKernel:
@@ -36,7 +40,7 @@ class OneDnnPackedLinearKernel:
         self.gemv = cpu_kernels() if weight.shape[1] % 32 == 0 else None
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.gemv is not None and x.shape[0] == 1 and bias is None:
+        if self.gemv is not None and x.shape[0] <= GEMV_ROWS and bias is None:
             return self.gemv.gemv_bf16(x.contiguous(), weight)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
 

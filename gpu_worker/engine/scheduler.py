@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from .kv_cache_manager import KVCacheManager
 from .sequence import Sequence, SequenceStatus
-from .speculative import NgramProposer, NoProposer
+from .speculative import NgramProposer, NoProposer, record_kept
 
 Proposer = NoProposer | NgramProposer
 
@@ -173,8 +173,10 @@ class Scheduler:
             appended = 0
             if chunk.sample:
                 tokens = sampled[seq.seq_id]
-                self.num_guessed_tokens += len(chunk.guesses)
-                self.num_accepted_tokens += len(tokens) - 1
+                if chunk.guesses:
+                    self.num_guessed_tokens += len(chunk.guesses)
+                    self.num_accepted_tokens += len(tokens) - 1
+                    record_kept(seq, len(chunk.guesses), len(tokens) - 1)
                 for token in tokens:
                     seq.token_ids.append(token)
                     appended += 1

@@ -38,6 +38,7 @@ class Sequence:
     enqueued_step: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when first admitted
     cache_salt: str | None = None  # prefix-cache keys start from it: hits only within the same salt
+    guess_acceptance: float = 1.0  # recent share of speculative guesses kept (a moving average)
     # Samples 1..n-1 of a group wait here until sample 0 has prefilled the prompt, then share its blocks.
     forks_pending: list[Sequence] = field(default_factory=list)
 

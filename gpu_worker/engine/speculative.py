@@ -8,6 +8,7 @@ guess where it equals the model's argmax, so the output is the non-speculative o
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -15,6 +16,12 @@ import numpy as np
 from .sequence import Sequence
 
 METHODS = ("ngram",)
+# Below this recent acceptance a sequence gets no guesses: scoring them costs more than the few kept save. Each
+# step without guesses raises it by RECOVERY, so the sequence is tried again after a while (its text may turn to
+# quoting). A step's kept share moves the average by KEPT_WEIGHT.
+MIN_ACCEPTANCE = 0.3
+RECOVERY = 0.02
+KEPT_WEIGHT = 0.3
 
 
 @dataclass(frozen=True)
@@ -63,7 +70,10 @@ class NgramProposer:
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
 
     def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
-        k = min(self.k, max_tokens)
+        if seq.guess_acceptance < MIN_ACCEPTANCE:
+            seq.guess_acceptance += RECOVERY
+            return []
+        k = min(math.ceil(self.k * seq.guess_acceptance), max_tokens)  # fewer guesses where fewer are kept
         if k <= 0 or not _speculates(seq):
             return []
         tokens = np.asarray(seq.token_ids)
@@ -85,6 +95,10 @@ def _speculates(seq: Sequence) -> bool:
     model's raw logits, which the verifier compares guesses with."""
     params = seq.params
     return params.greedy and not params.has_penalties and params.logprobs is None
+
+
+def record_kept(seq: Sequence, guessed: int, kept: int) -> None:
+    seq.guess_acceptance += KEPT_WEIGHT * (kept / guessed - seq.guess_acceptance)
 
 
 def accepted_prefix(guesses: list[int], argmaxes: list[int]) -> list[int]:

@@ -32,11 +32,12 @@ def test_native_kernels_build_on_this_cpu():
 
 
 @needs_avx512_bf16
-def test_batch1_gemv_matches_the_reference():
-    torch.manual_seed(0)
+@pytest.mark.parametrize("rows", [1, 2, 5])
+def test_few_row_gemv_matches_the_reference(rows):
+    torch.manual_seed(rows)
     for n, k in [(1280, 768), (7, 64), (32000, 256)]:
         w = torch.randn(n, k, dtype=torch.bfloat16)
-        x = torch.randn(1, k, dtype=torch.bfloat16)
+        x = torch.randn(rows, k, dtype=torch.bfloat16)
         _assert_close_in_bf16(cpu_kernels().gemv_bf16(x, w), F.linear(x.float(), w.float()))
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from gpu_worker.engine import LLM, SamplingParams
 from gpu_worker.engine.sequence import Sequence
-from gpu_worker.engine.speculative import NgramProposer, SpeculativeConfig, accepted_prefix
+from gpu_worker.engine.speculative import NgramProposer, SpeculativeConfig, accepted_prefix, record_kept
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
 # Repetitive prompts: small random models fall into loops, which the n-gram proposer then predicts.
@@ -35,6 +35,21 @@ def test_sampled_requests_and_requests_wanting_logprobs_get_no_guesses():
     assert proposer.propose(_seq(repeating, repetition_penalty=1.2), 10) == []
     sampled = Sequence(0, "g", 0, repeating, 8, SamplingParams(temperature=0.8), seed=0)
     assert proposer.propose(sampled, 10) == []
+
+
+def test_a_sequence_whose_guesses_are_mostly_rejected_gets_fewer_then_none_and_later_is_tried_again():
+    proposer = NgramProposer(SpeculativeConfig("ngram", 4))
+    seq = _seq([1, 2, 3, 4, 5, 6] * 3)
+    assert len(proposer.propose(seq, 10)) == 4
+    record_kept(seq, 4, 1)
+    record_kept(seq, 4, 1)
+    assert 1 <= len(proposer.propose(seq, 10)) < 4  # fewer guesses where fewer are kept
+    for _ in range(3):
+        record_kept(seq, 4, 0)
+    silent = 0
+    while not proposer.propose(seq, 10):
+        silent += 1
+    assert 5 <= silent <= 20  # a while without guesses, then tried again
 
 
 def test_the_verifier_keeps_guesses_up_to_the_first_disagreement_then_the_models_token():

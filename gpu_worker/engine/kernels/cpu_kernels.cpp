@@ -22,16 +22,47 @@ static inline uint16_t row_dot_bf16(const uint16_t* x, const uint16_t* w, int64_
   return to_bf16(_mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)));
 }
 
+// The same for M <= kGemvRows rows of x (a decode step whose guesses are scored with it): each weight row is read
+// once for all of them. Streaming SmolLM2's matrices on a Zen 5 this ran 1.13-1.23x oneDNN's packed matmul up to 5
+// rows, 0.69x at 8 (bound by the dot products there).
+constexpr int64_t kGemvRows = 5;
+
+template <int M>
+static inline void rows_dot_bf16(const uint16_t* x, const uint16_t* w, int64_t K, uint16_t* y, int64_t N) {
+  __m512 acc[M];
+  for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 32) {
+    const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k);
+    for (int m = 0; m < M; m++) acc[m] = _mm512_dpbf16_ps(acc[m], wv, (__m512bh)_mm512_loadu_si512(x + m * K + k));
+  }
+  for (int m = 0; m < M; m++) y[m * N] = to_bf16(_mm512_reduce_add_ps(acc[m]));
+}
+
+template <int M>
+static void gemv_rows_bf16(const uint16_t* xp, const uint16_t* wp, uint16_t* yp, int64_t N, int64_t K) {
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; n++) {
+    if constexpr (M == 1) yp[n] = row_dot_bf16(xp, wp + n * K, K);
+    else rows_dot_bf16<M>(xp, wp + n * K, K, yp + n, N);
+  }
+}
+
 torch::Tensor gemv_bf16(const torch::Tensor& x, const torch::Tensor& w) {
-  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && x.is_contiguous(), "x must be [1, K] contiguous");
+  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kGemvRows && x.is_contiguous(),
+              "x must be [M, K] contiguous, 1 <= M <= ", kGemvRows);
   TORCH_CHECK(w.is_contiguous() && w.size(1) == x.size(1) && w.size(1) % 32 == 0, "w must be [N, K], K % 32 == 0");
-  const int64_t K = w.size(1), N = w.size(0);
-  auto y = torch::empty({1, N}, x.options());
+  const int64_t M = x.size(0), K = w.size(1), N = w.size(0);
+  auto y = torch::empty({M, N}, x.options());
   const auto* xp = static_cast<const uint16_t*>(x.data_ptr());
   const auto* wp = static_cast<const uint16_t*>(w.data_ptr());
   auto* yp = static_cast<uint16_t*>(y.data_ptr());
-#pragma omp parallel for schedule(static)
-  for (int64_t n = 0; n < N; n++) yp[n] = row_dot_bf16(xp, wp + n * K, K);
+  switch (M) {
+    case 1: gemv_rows_bf16<1>(xp, wp, yp, N, K); break;
+    case 2: gemv_rows_bf16<2>(xp, wp, yp, N, K); break;
+    case 3: gemv_rows_bf16<3>(xp, wp, yp, N, K); break;
+    case 4: gemv_rows_bf16<4>(xp, wp, yp, N, K); break;
+    default: gemv_rows_bf16<5>(xp, wp, yp, N, K); break;
+  }
   return y;
 }
 
