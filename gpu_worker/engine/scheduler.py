@@ -125,9 +125,11 @@ class Scheduler:
 
     def _guesses(self, seq: Sequence, budget: int) -> list[int]:
         """The proposer's tokens for a decoding sequence, no more than the step's budget, its max_tokens and the
-        model's length leave room for after the token the step samples anyway."""
+        model's length leave room for after the token the step samples anyway; none in a large batch."""
+        if seq.forks_pending or len(self.running) > self.proposer.max_batch:
+            return []
         room = min(budget, seq.params.max_tokens - seq.num_output_tokens, self.config.max_model_len - seq.num_tokens)
-        return self.proposer.propose(seq, room - 1) if not seq.forks_pending else []
+        return self.proposer.propose(seq, room - 1)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         self.waiting.sort(key=self._waiting_key)

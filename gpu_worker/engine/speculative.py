@@ -26,18 +26,21 @@ KEPT_WEIGHT = 0.3
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """vLLM's `speculative_config` keys: `method`, `num_speculative_tokens`, `prompt_lookup_min/max`."""
+    """vLLM's `speculative_config` keys: `method`, `num_speculative_tokens`, `prompt_lookup_min/max`,
+    `disable_by_batch_size` (no guesses while more sequences than this run: a large batch's step is bound by
+    compute, where every guess scored is a row of work, not a free one)."""
 
     method: str
     num_speculative_tokens: int
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
+    disable_by_batch_size: int = 4
 
     @classmethod
     def parse(cls, value: dict | None) -> SpeculativeConfig | None:
         if value is None:
             return None
-        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
+        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"}
         if unknown := set(value) - known:
             raise ValueError(f"unknown speculative settings: {', '.join(sorted(unknown))} "
                              f"(known: {', '.join(sorted(known))})")
@@ -56,6 +59,8 @@ class SpeculativeConfig:
 class NoProposer:
     """Speculation off: no sequence gets guesses."""
 
+    max_batch = 0
+
     def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
         return []
 
@@ -68,6 +73,7 @@ class NgramProposer:
     def __init__(self, config: SpeculativeConfig):
         self.k = config.num_speculative_tokens
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
+        self.max_batch = config.disable_by_batch_size
 
     def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
         if seq.guess_acceptance < MIN_ACCEPTANCE:

@@ -63,12 +63,16 @@ class ReplayingProposer:
     the right guesses up to the first wrong one and no further. (The tiny random test models never repeat
     themselves, so n-gram guesses would rarely be kept.)"""
 
-    def __init__(self, prompts: list[list[int]], outputs: list[list[int]], k: int = 4):
+    def __init__(self, prompts: list[list[int]], outputs: list[list[int]], k: int = 4, max_batch: int = 64,
+                 scheduler=None):
         self.continuations = {tuple(p): o for p, o in zip(prompts, outputs, strict=True)}
-        self.k, self.calls = k, 0
+        self.k, self.max_batch, self.calls = k, max_batch, 0
+        self.scheduler, self.batch_sizes = scheduler, []
 
     def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
         self.calls += 1
+        if self.scheduler is not None:
+            self.batch_sizes.append(len(self.scheduler.running))
         done = seq.num_output_tokens
         guesses = self.continuations[tuple(seq.token_ids[:seq.num_prompt_tokens])][done:done + min(self.k, max_tokens)]
         return [g + 1 if (self.calls + i) % 3 == 0 else g for i, g in enumerate(guesses)]
@@ -96,6 +100,19 @@ def test_kept_guesses_and_rejected_ones_give_the_non_speculative_output_token_fo
     stats = fast.engine.stats()
     assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
     assert stats["kv_blocks_used"] == 0
+
+
+def test_no_guesses_while_more_sequences_run_than_disable_by_batch_size(make_checkpoint):
+    model = str(make_checkpoint("llama"))
+    lengths = [6, 12, 24, 48]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
+    plain = [o.token_ids for o in LLM(model, dtype="float32").generate(PROMPTS, params)]
+    fast = LLM(model, dtype="float32", speculative={**NGRAM, "disable_by_batch_size": 2})
+    scheduler = fast.engine.scheduler
+    scheduler.proposer = ReplayingProposer(PROMPTS, plain, max_batch=scheduler.proposer.max_batch, scheduler=scheduler)
+    assert [o.token_ids for o in fast.generate(PROMPTS, params)] == plain
+    sizes = scheduler.proposer.batch_sizes
+    assert sizes and max(sizes) <= 2  # asked only once the two shortest requests had finished
 
 
 def test_vllms_speculative_config_spelling_is_accepted_and_bad_settings_are_refused(make_checkpoint):
