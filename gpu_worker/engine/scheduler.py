@@ -111,6 +111,8 @@ class Scheduler:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             guesses = self._guesses(seq, budget) if n == 1 else []
+            if guesses and not self.kv.allocate_slots(seq, n + len(guesses)):
+                guesses = []  # guesses never cost another sequence its blocks
             while not self.kv.allocate_slots(seq, n + len(guesses)):
                 victim = self.running.pop()
                 self._preempt(victim)
