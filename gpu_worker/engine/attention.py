@@ -116,7 +116,10 @@ class HeadLayout:
 class TorchPagedAttention:
     def __init__(self, heads: HeadLayout):
         self.heads = heads
-        self.scale = heads.scale
+
+    @property
+    def scale(self) -> float:
+        return self.heads.scale
 
     def __call__(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:

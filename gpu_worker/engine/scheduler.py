@@ -113,17 +113,23 @@ class Scheduler:
             guesses = self._guesses(seq, budget) if n == 1 else []
             if guesses and not self.kv.allocate_slots(seq, n + len(guesses)):
                 guesses = []  # guesses never cost another sequence its blocks
-            while not self.kv.allocate_slots(seq, n + len(guesses)):
-                victim = self.running.pop()
-                self._preempt(victim)
-                out.preempted.append(victim)
-                if victim is seq:
-                    break
-            else:
-                out.chunks.append(self._chunk(seq, n, guesses))
-                budget -= n + len(guesses)
-                i += 1
+            if not guesses and not self._make_room(seq, n, out):
+                continue  # `seq` itself was preempted
+            out.chunks.append(self._chunk(seq, n, guesses))
+            budget -= n + len(guesses)
+            i += 1
         return budget
+
+    def _make_room(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
+        """Slots for `n` more tokens of `seq`, preempting the lowest-priority, newest running sequences until they
+        fit; False when `seq` itself had to go."""
+        while not self.kv.allocate_slots(seq, n):
+            victim = self.running.pop()
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
 
     def _guesses(self, seq: Sequence, budget: int) -> list[int]:
         """The proposer's tokens for a decoding sequence, no more than the step's budget, its max_tokens and the
@@ -154,9 +160,9 @@ class Scheduler:
             budget -= n
 
     def _chunk(self, seq: Sequence, n: int, guesses: list[int] | None = None) -> ScheduledChunk:
-        start = seq.num_computed_tokens
-        return ScheduledChunk(seq, start, n + len(guesses or ()), self.kv.block_table(seq),
-                              sample=start + n == seq.num_tokens, guesses=guesses or [])
+        start, guesses = seq.num_computed_tokens, guesses or []
+        return ScheduledChunk(seq, start, n + len(guesses), self.kv.block_table(seq),
+                              sample=start + n == seq.num_tokens, guesses=guesses)
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv.free(seq)

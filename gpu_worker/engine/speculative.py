@@ -9,7 +9,7 @@ guess where it equals the model's argmax, so the output is the non-speculative o
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 
@@ -40,13 +40,13 @@ class SpeculativeConfig:
     def parse(cls, value: dict | None) -> SpeculativeConfig | None:
         if value is None:
             return None
-        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"}
+        known = {f.name for f in fields(cls)}
         if unknown := set(value) - known:
             raise ValueError(f"unknown speculative settings: {', '.join(sorted(unknown))} "
                              f"(known: {', '.join(sorted(known))})")
-        config = cls(**value) if "method" in value and "num_speculative_tokens" in value else None
-        if config is None:
+        if not {"method", "num_speculative_tokens"} <= set(value):
             raise ValueError("speculative settings need 'method' and 'num_speculative_tokens'")
+        config = cls(**value)
         if config.method not in METHODS:
             raise ValueError(f"speculative method {config.method!r} is not supported; supported: {', '.join(METHODS)}")
         if config.num_speculative_tokens < 1:
@@ -76,11 +76,13 @@ class NgramProposer:
         self.max_batch = config.disable_by_batch_size
 
     def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
+        if not _speculates(seq):
+            return []
         if seq.guess_acceptance < MIN_ACCEPTANCE:
             seq.guess_acceptance += RECOVERY
             return []
         k = min(math.ceil(self.k * seq.guess_acceptance), max_tokens)  # fewer guesses where fewer are kept
-        if k <= 0 or not _speculates(seq):
+        if k <= 0:
             return []
         tokens = np.asarray(seq.token_ids)
         for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
