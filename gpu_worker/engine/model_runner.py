@@ -45,8 +45,8 @@ class ModelRunner:
         if not sampled_chunks:
             return {}
         logits = self.model.logits(hidden[torch.tensor(sample_rows, device=self.device)])
-        rows_of = [c for c in sampled_chunks for _ in range(len(c.guesses) + 1)]
-        tokens = iter(self.sampler(logits, _sampling_batch(rows_of)))
+        rows = [(c, i) for c in sampled_chunks for i in range(len(c.guesses) + 1)]
+        tokens = iter(self.sampler(logits, _sampling_batch(rows)))
         out = {}
         for c in sampled_chunks:
             choices = [next(tokens) for _ in range(len(c.guesses) + 1)]
@@ -91,13 +91,16 @@ def _decodes(chunk: ScheduledChunk) -> bool:
     return chunk.num_tokens == 1 or bool(chunk.guesses)
 
 
-def _sampling_batch(chunks: list[ScheduledChunk]) -> SamplingBatch:
-    seqs = [c.seq for c in chunks]
+def _sampling_batch(rows: list[tuple[ScheduledChunk, int]]) -> SamplingBatch:
+    """Row (chunk, i) samples the sequence's output position num_output_tokens + i, as if its first i guesses
+    were already output: with that position's uniform, and with them counted by its penalties."""
     # Token lists are only needed, and only copied, for rows that apply penalties.
-    penalized = [s if s.params.has_penalties else None for s in seqs]
+    penalized = [c.seq.params.has_penalties for c, _ in rows]
     return SamplingBatch(
-        params=[s.params for s in seqs],
-        uniforms=[position_uniform(s.seed, s.num_output_tokens) for s in seqs],
-        prompt_token_ids=[s.token_ids[: s.num_prompt_tokens] if s else [] for s in penalized],
-        output_token_ids=[s.output_token_ids if s else [] for s in penalized],
+        params=[c.seq.params for c, _ in rows],
+        uniforms=[position_uniform(c.seq.seed, c.seq.num_output_tokens + i) for c, i in rows],
+        prompt_token_ids=[c.seq.token_ids[: c.seq.num_prompt_tokens] if p else []
+                          for (c, _), p in zip(rows, penalized, strict=True)],
+        output_token_ids=[c.seq.output_token_ids + c.guesses[:i] if p else []
+                          for (c, i), p in zip(rows, penalized, strict=True)],
     )

@@ -2,8 +2,16 @@
 token in one forward, and the verifier keeps the guesses the model itself would have produced.
 
 At batch 1 a decode step is bound by reading the weights, and scoring k + 1 positions costs about what scoring
-one does: every accepted guess is a token for (nearly) free. Greedy requests only, for now: the verifier accepts a
-guess where it equals the model's argmax, so the output is the non-speculative output token for token.
+one does: every accepted guess is a token for (nearly) free.
+
+The verifier samples every scored position as a step without guesses would (the request's own penalties,
+temperature, top-k/top-p/min-p, and the uniform of that output position), then keeps the guesses up to the first
+that differs from the model's pick, and the pick there. The output is therefore the non-speculative output token
+for token, greedy or seeded. For a proposer that guesses one token per position (q one-hot, as n-gram lookup and
+a draft read greedily do) this is the standard rejection sampler exactly: a guess x is kept with probability
+p(x) = min(1, p(x) / q(x)), and a rejected position's token is p's pick conditioned on differing from x, which is
+p with x removed, renormalised: the residual (p - q)+ normalised. So reproducing the non-speculative output costs
+no acceptance.
 """
 
 from __future__ import annotations
@@ -76,8 +84,6 @@ class NgramProposer:
         self.max_batch = config.disable_by_batch_size
 
     def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
-        if not _speculates(seq):
-            return []
         if seq.guess_acceptance < MIN_ACCEPTANCE:
             seq.guess_acceptance += RECOVERY
             return []
@@ -98,24 +104,17 @@ def proposer_for(config: SpeculativeConfig | None) -> NoProposer | NgramProposer
     return NoProposer() if config is None else NgramProposer(config)
 
 
-def _speculates(seq: Sequence) -> bool:
-    """Greedy requests without penalties or log-probabilities: those whose next token is the argmax of the
-    model's raw logits, which the verifier compares guesses with."""
-    params = seq.params
-    return params.greedy and not params.has_penalties and params.logprobs is None
-
-
 def record_kept(seq: Sequence, guessed: int, kept: int) -> None:
     seq.guess_acceptance += KEPT_WEIGHT * (kept / guessed - seq.guess_acceptance)
 
 
-def accepted_prefix(guesses: list[int], argmaxes: list[int]) -> list[int]:
+def accepted_prefix(guesses: list[int], picks: list[int]) -> list[int]:
     """The tokens a step with guesses produces: the guesses the model agrees with, then its own next token.
-    argmaxes[i] is the model's choice after the sequence and guesses[:i]."""
+    picks[i] is the model's sample (argmax when greedy) after the sequence and guesses[:i]."""
     out = []
-    for guess, choice in zip(guesses, argmaxes, strict=False):
-        out.append(choice)
-        if guess != choice:
+    for guess, pick in zip(guesses, picks, strict=False):
+        out.append(pick)
+        if guess != pick:
             return out
-    out.append(argmaxes[len(guesses)])
+    out.append(picks[len(guesses)])
     return out
