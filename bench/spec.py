@@ -28,15 +28,15 @@ def _serve(llm, prompts: list[str], max_tokens: int, batch: int = 1) -> tuple[fl
     from gpu_worker.engine import SamplingParams
 
     engine, params = llm.engine, SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    guessed, kept = engine.scheduler.num_guessed_tokens, engine.scheduler.num_accepted_tokens
+    guessed, kept = engine.speculation.num_draft_tokens, engine.speculation.num_accepted_tokens
     chats = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
     if batch > 1:
         chats = [chats[i % len(chats)] for i in range(max(batch, len(chats)))]
     tokens, started = 0, time.perf_counter()
     for i in range(0, len(chats), batch):
         tokens += sum(len(o.token_ids) for o in llm.generate(chats[i:i + batch], params))
-    return (time.perf_counter() - started, tokens, engine.scheduler.num_guessed_tokens - guessed,
-            engine.scheduler.num_accepted_tokens - kept)
+    return (time.perf_counter() - started, tokens, engine.speculation.num_draft_tokens - guessed,
+            engine.speculation.num_accepted_tokens - kept)
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -39,6 +39,8 @@ class EngineCollector:
             "tokenfleet:prefix_cache_hits": ("Prompt tokens found in the prefix cache", stats["prefix_cache_hits"]),
             "tokenfleet:engine_busy_seconds": ("Wall time of every engine step (utilization = its rate)",
                                                stats["busy_seconds"]),
+            "tokenfleet:spec_decode_num_drafts": ("Steps in which a sequence had speculative guesses scored",
+                                                  stats["spec_decode_num_drafts"]),
             "tokenfleet:spec_decode_num_draft_tokens": ("Tokens proposed for speculative decoding",
                                                         stats["spec_decode_num_draft_tokens"]),
             "tokenfleet:spec_decode_num_accepted_tokens": ("Proposed tokens the model agreed with",
@@ -48,6 +50,16 @@ class EngineCollector:
             family = CounterMetricFamily(name, doc, labels=["model"])
             family.add_metric([self.model], value)
             yield family
+        yield self._accepted_per_position()
+
+    def _accepted_per_position(self) -> CounterMetricFamily:
+        """Acceptance rate is accepted / draft tokens, mean acceptance length 1 + accepted / drafts, and the
+        acceptance at position i accepted_per_pos{position=i} / drafts: rates of these counters, as in vLLM."""
+        family = CounterMetricFamily("tokenfleet:spec_decode_num_accepted_tokens_per_pos",
+                                     "Drafts whose guess at this position was kept", labels=["model", "position"])
+        for position, count in enumerate(self.engine.speculation.accepted_per_position):
+            family.add_metric([self.model, str(position)], count)
+        return family
 
 
 class WorkerMetrics:

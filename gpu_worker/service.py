@@ -192,7 +192,9 @@ class Worker:
         if resume != []:  # [] : every sample had finished before the last worker died
             last = await self._relay(rid, ids, params, resume, request, positions, finish_reasons, clock)
         usage = p.Usage(prompt_tokens=len(ids), completion_tokens=sum(positions.values()),
-                        cached_tokens=last.num_cached_tokens if last else 0)
+                        cached_tokens=last.num_cached_tokens if last else 0,
+                        draft_tokens=last.num_draft_tokens if last else 0,
+                        accepted_draft_tokens=last.num_accepted_draft_tokens if last else 0)
         timing = clock.timing(usage.completion_tokens, last.engine_seconds if last else 0.0)
         clock.trace(request, usage)
         finished = p.ReplyChunk(kind="finished", worker_id=self.worker_id, model=self.info.name, usage=usage,

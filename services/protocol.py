@@ -208,6 +208,10 @@ class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0  # prompt tokens whose KV came from the worker's prefix cache
+    # Speculative decoding: guesses the worker scored for the request, and those it kept (each kept guess is an
+    # output token that cost no step of its own).
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:

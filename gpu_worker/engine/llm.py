@@ -69,3 +69,5 @@ class LLM:
                     total.outputs[completion.index].extend(completion)
                 total.finished, total.engine_seconds = delta.finished, delta.engine_seconds
                 total.num_cached_tokens, total.prompt_logprobs = delta.num_cached_tokens, delta.prompt_logprobs
+                total.num_draft_tokens = delta.num_draft_tokens
+                total.num_accepted_draft_tokens = delta.num_accepted_draft_tokens

@@ -25,7 +25,7 @@ from .sampler import SampledToken
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from .sequence import ResumedChoice, Sequence
-from .speculative import SpeculativeConfig, proposer_for
+from .speculative import SpeculationStats, SpeculativeConfig, proposer_for
 
 log = logging.getLogger(__name__)
 
@@ -226,7 +226,8 @@ class LLMEngine:
                 del self.requests[request_id]
             results.append(RequestOutput(request_id, state.prompt_token_ids, completions, state.finished,
                                          state.engine_seconds, max(s.num_cached_tokens for s in state.seqs),
-                                         state.prompt_logprobs))
+                                         state.prompt_logprobs, sum(s.num_guessed_tokens for s in state.seqs),
+                                         sum(s.num_kept_guesses for s in state.seqs)))
         return results
 
     # ---- introspection --------------------------------------------------------------------------------
@@ -254,6 +255,11 @@ class LLMEngine:
             "prefix_cache_queries": self.kv.num_queried_tokens,  # tokens, as vLLM counts them
             "prefix_cache_hits": self.kv.num_hit_tokens,
             "busy_seconds": self.busy_seconds,  # wall time of every step so far: what the requests' shares sum to
-            "spec_decode_num_draft_tokens": self.scheduler.num_guessed_tokens,  # vLLM's names
-            "spec_decode_num_accepted_tokens": self.scheduler.num_accepted_tokens,
+            "spec_decode_num_drafts": self.speculation.num_drafts,  # vLLM's names
+            "spec_decode_num_draft_tokens": self.speculation.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": self.speculation.num_accepted_tokens,
         }
+
+    @property
+    def speculation(self) -> SpeculationStats:
+        return self.scheduler.speculation

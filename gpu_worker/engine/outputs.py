@@ -36,6 +36,8 @@ class RequestOutput:
     engine_seconds: float = 0.0  # so far: the request's share of measured step time, by tokens processed
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     prompt_logprobs: list[float | None] | None = None  # with SamplingParams(prompt_logprobs=0); entry 0 is None
+    num_draft_tokens: int = 0  # so far: speculative guesses scored for the request, and those its samples kept
+    num_accepted_draft_tokens: int = 0
 
     @property
     def token_ids(self) -> list[int]:

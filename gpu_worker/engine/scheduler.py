@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from .kv_cache_manager import KVCacheManager
 from .sequence import Sequence, SequenceStatus
-from .speculative import NgramProposer, NoProposer, record_kept
+from .speculative import NgramProposer, NoProposer, SpeculationStats, record_kept
 
 Proposer = NoProposer | NgramProposer
 
@@ -65,8 +65,7 @@ class Scheduler:
         self.config = config
         self.kv = kv
         self.proposer = proposer or NoProposer()
-        self.num_guessed_tokens = 0
-        self.num_accepted_tokens = 0
+        self.speculation = SpeculationStats()
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -184,8 +183,7 @@ class Scheduler:
             if chunk.sample:
                 tokens = sampled[seq.seq_id]
                 if chunk.guesses:
-                    self.num_guessed_tokens += len(chunk.guesses)
-                    self.num_accepted_tokens += len(tokens) - 1
+                    self.speculation.record(len(chunk.guesses), len(tokens) - 1)
                     record_kept(seq, len(chunk.guesses), len(tokens) - 1)
                 for token in tokens:
                     seq.token_ids.append(token)

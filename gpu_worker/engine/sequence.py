@@ -39,6 +39,8 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when first admitted
     cache_salt: str | None = None  # prefix-cache keys start from it: hits only within the same salt
     guess_acceptance: float = 1.0  # recent share of speculative guesses kept (a moving average)
+    num_guessed_tokens: int = 0  # speculative guesses scored for this sequence, and those it kept
+    num_kept_guesses: int = 0
     # Samples 1..n-1 of a group wait here until sample 0 has prefilled the prompt, then share its blocks.
     forks_pending: list[Sequence] = field(default_factory=list)
 

@@ -17,7 +17,7 @@ no acceptance.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
@@ -106,6 +106,27 @@ def proposer_for(config: SpeculativeConfig | None) -> NoProposer | NgramProposer
 
 def record_kept(seq: Sequence, guessed: int, kept: int) -> None:
     seq.guess_acceptance += KEPT_WEIGHT * (kept / guessed - seq.guess_acceptance)
+    seq.num_guessed_tokens += guessed
+    seq.num_kept_guesses += kept
+
+
+@dataclass
+class SpeculationStats:
+    """vLLM's counters: drafts (steps where a sequence had guesses), draft tokens, accepted tokens, and how often
+    the guess at each position was kept."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def record(self, guessed: int, kept: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += guessed
+        self.num_accepted_tokens += kept
+        self.accepted_per_position.extend([0] * (guessed - len(self.accepted_per_position)))
+        for position in range(kept):
+            self.accepted_per_position[position] += 1
 
 
 def accepted_prefix(guesses: list[int], picks: list[int]) -> list[int]:

@@ -33,6 +33,8 @@ class LedgerRow(Base):
     prompt_tokens: Mapped[int] = mapped_column(Integer)
     cached_tokens: Mapped[int] = mapped_column(Integer)
     completion_tokens: Mapped[int] = mapped_column(Integer)
+    draft_tokens: Mapped[int] = mapped_column(Integer, server_default="0")  # speculative guesses scored
+    accepted_draft_tokens: Mapped[int] = mapped_column(Integer, server_default="0")  # of those, kept
     queue_s: Mapped[float] = mapped_column(Float)
     ttft_s: Mapped[float] = mapped_column(Float)
     tpot_s: Mapped[float] = mapped_column(Float)

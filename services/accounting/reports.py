@@ -144,6 +144,8 @@ def cost(engine: Engine, filters: LedgerFilter, group_by: Bucket | None = None) 
         *keys, func.count().label("tasks"), func.sum(LedgerRow.prompt_tokens).label("prompt_tokens"),
         func.sum(LedgerRow.cached_tokens).label("cached_tokens"),
         func.sum(LedgerRow.completion_tokens).label("completion_tokens"),
+        func.sum(LedgerRow.draft_tokens).label("draft_tokens"),
+        func.sum(LedgerRow.accepted_draft_tokens).label("accepted_draft_tokens"),
         func.sum(LedgerRow.list_cost_usd).label("list_cost_usd"),
         func.sum(LedgerRow.measured_cost_usd).label("measured_cost_usd"),
     ).where(*filters.where()).group_by(*keys).order_by(*keys)

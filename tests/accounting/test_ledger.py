@@ -8,13 +8,15 @@ import uuid
 from decimal import Decimal
 
 import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
 from sqlalchemy import func, select
 
 from services import protocol as p
 from services import streams
 from services.accounting import ledger
 from services.accounting.consumer import ACCOUNTING_GROUP, LedgerConsumer
-from services.accounting.models import LedgerRow
+from services.accounting.models import Base, LedgerRow
 from services.accounting.prices import PriceTable
 from services.accounting.sla import SlaPolicy
 from services.redis_client import EmbeddedRedis, connect
@@ -52,6 +54,18 @@ def test_a_row_holds_the_tasks_tokens_costs_timings_and_decisions(ledger_engine)
     assert row.measured_cost_usd == Decimal(repr(0.36 * PRICES.usd_per_hour["cpu"] / 3600)).quantize(Decimal("1e-12"))
     assert row.gpu_seconds == 0.36 and row.sla_class == "interactive" and row.sla_met
     assert row.routing_reason == "named by the request; prefix 64 cached tokens"
+
+
+def test_a_row_holds_the_speculative_guesses_scored_and_kept(ledger_engine):
+    ledger.record(ledger_engine, [ledger.row(_event(draft_tokens=30, accepted_draft_tokens=12), PRICES, SLA),
+                                  ledger.row(_event(), PRICES, SLA)])
+    assert [(r.draft_tokens, r.accepted_draft_tokens) for r in _rows(ledger_engine)] == [(30, 12), (0, 0)]
+
+
+def test_the_migrated_schema_is_the_one_the_models_describe(ledger_engine):
+    with ledger_engine.connect() as connection:
+        differences = compare_metadata(MigrationContext.configure(connection), Base.metadata)
+    assert differences == []
 
 
 def test_a_replayed_event_adds_no_second_row(ledger_engine):

@@ -104,6 +104,22 @@ def test_kept_guesses_and_rejected_ones_give_the_non_speculative_output_token_fo
     assert stats["kv_blocks_used"] == 0
 
 
+def test_guesses_are_counted_per_request_per_position_and_in_total(make_checkpoint):
+    model = str(make_checkpoint("llama"))
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    plain = [o.token_ids for o in LLM(model, dtype="float32").generate(PROMPTS, params)]
+    fast = LLM(model, dtype="float32", speculative=NGRAM)
+    fast.engine.scheduler.proposer = ReplayingProposer(PROMPTS, plain)
+    outputs = fast.generate(PROMPTS, params)
+    totals = fast.engine.speculation
+    assert sum(o.num_draft_tokens for o in outputs) == totals.num_draft_tokens
+    assert sum(o.num_accepted_draft_tokens for o in outputs) == totals.num_accepted_tokens
+    per_position = totals.accepted_per_position
+    assert len(per_position) == 4 and sum(per_position) == totals.num_accepted_tokens
+    # Every third guess is wrong, so the first is kept most often and a later one only after those before it.
+    assert per_position == sorted(per_position, reverse=True) and per_position[0] < totals.num_drafts
+
+
 def test_no_guesses_while_more_sequences_run_than_disable_by_batch_size(make_checkpoint):
     model = str(make_checkpoint("llama"))
     lengths = [6, 12, 24, 48]

@@ -12,6 +12,7 @@ MESSAGES = [{"role": "user", "content": "Say it again: red green blue, red green
 
 
 def test_a_speculating_worker_serves_the_greedy_text_of_a_plain_engine_and_counts_its_guesses(stack):
+    """...in its metrics and in the request's completion event, which the ledger records."""
     name = "small-ngram"
     config = json.dumps({"method": "ngram", "num_speculative_tokens": 4})
     worker = stack.start_worker("--model", MODEL, "--served-model-name", name, "--speculative-config", config)
@@ -24,7 +25,12 @@ def test_a_speculating_worker_serves_the_greedy_text_of_a_plain_engine_and_count
         assert reply.choices[0].message.content == want.text
         assert reply.usage.completion_tokens == len(want.token_ids)
         status = next(s for s in stack.worker_statuses(name) if s.worker_id.endswith(f"-{worker.pid}"))
-        assert worker_metric(status, "tokenfleet:spec_decode_num_draft_tokens_total") > 0
+        drafted = worker_metric(status, "tokenfleet:spec_decode_num_draft_tokens_total")
+        assert drafted > 0 and worker_metric(status, "tokenfleet:spec_decode_num_drafts_total") > 0
+        kept_first = worker_metric(status, "tokenfleet:spec_decode_num_accepted_tokens_per_pos_total")  # position 0
+        assert kept_first > 0
+        usage = stack.completion_event(reply.id).usage
+        assert 0 < usage.accepted_draft_tokens <= usage.draft_tokens == drafted
     finally:
         worker.terminate()
         worker.wait(60)
