@@ -9,23 +9,25 @@ from dataclasses import dataclass
 
 import torch
 
-from .checkpoint import open_checkpoint
+from .checkpoint import Checkpoint, open_checkpoint
 from .config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from .detokenizer import IncrementalDetokenizer
-from .errors import InvalidRequestError
+from .draft_proposer import DraftModelProposer
+from .errors import InvalidRequestError, ModelLoadError
 from .kv_cache_format import kv_cache_format
 from .kv_cache_manager import KVCacheManager
+from .linear import Linear
 from .loader import load_model
 from .model_config import resolve_dtype, resolve_max_model_len
 from .model_runner import ModelRunner
 from .outputs import CompletionOutput, RequestOutput
 from .prompt_logprobs import PromptLogprobs
-from .quantization.methods import load_time_quantizer
+from .quantization.methods import WeightQuantizer, load_time_quantizer
 from .sampler import SampledToken
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from .sequence import ResumedChoice, Sequence
-from .speculative import SpeculationStats, SpeculativeConfig, proposer_for
+from .speculative import NgramProposer, NoProposer, Proposer, SpeculationStats, SpeculativeConfig
 
 log = logging.getLogger(__name__)
 
@@ -75,11 +77,14 @@ class LLMEngine:
         model = load_model(checkpoint, self.dtype, self.device, quantizer, self.kv_format)
         num_blocks = self._num_blocks()
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        cfg = self.model_config
+        kv_caches = self.kv_format.allocate(cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads,
+                                            cfg.head_dim, self.device)
+        self.runner = ModelRunner(model, kv_caches, config.block_size, self.device)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len), self.kv,
-            proposer_for(SpeculativeConfig.parse(config.speculative)),
+            self.proposer_for(SpeculativeConfig.parse(config.speculative), checkpoint),
         )
-        self.runner = ModelRunner(model, num_blocks, config.block_size, self.kv_format, self.device)
         log.info("%s: %s weights%s, KV cache %s: %d blocks of %d tokens (%d tokens)", self.model_path, self.dtype,
                  f" quantized ({quantizer.method} at load)" if quantizer else
                  f" quantized ({checkpoint.quantization.name})" if checkpoint.quantization else "",
@@ -88,6 +93,21 @@ class LLMEngine:
         self.busy_seconds = 0.0
         self._seq_counter = 0
         self._entropy = random.SystemRandom()
+
+    def proposer_for(self, config: SpeculativeConfig | None, checkpoint: Checkpoint | None = None) -> Proposer:
+        """The proposer `config` names, drafting into this engine's KV cache (a benchmark switches between them)."""
+        checkpoint = checkpoint or open_checkpoint(self.config.model)
+        if config is None:
+            return NoProposer()
+        if config.method == "ngram":
+            return NgramProposer(config)
+        if not any(isinstance(m, Linear) and m.weight is not None for m in self.runner.model.modules()):
+            raise ModelLoadError(f"speculative method {config.method} drafts with the target's dense weights "
+                                 "quantized; this model's are quantized already (the draft would be the model "
+                                 "itself): serve a dense checkpoint, or use another method")
+        quantizer = WeightQuantizer(config.self_draft_quantization)
+        draft = load_model(checkpoint, self.dtype, self.device, quantizer, self.kv_format)
+        return DraftModelProposer(config, ModelRunner(draft, self.runner.kv_caches, self.kv.block_size, self.device))
 
     def _num_blocks(self) -> int:
         cfg = self.model_config

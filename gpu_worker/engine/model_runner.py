@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 
 from .attention import AttentionMetadata, PrefillChunk
-from .kv_cache_format import KVCacheFormat
 from .kv_cache_manager import cdiv
 from .model import Transformer
 from .prompt_logprobs import PromptLogprobs, prompt_logprobs
@@ -15,14 +14,11 @@ from .speculative import accepted_prefix
 
 
 class ModelRunner:
-    def __init__(self, model: Transformer, num_blocks: int, block_size: int, kv_format: KVCacheFormat,
-                 device: torch.device):
-        cfg = model.config
+    def __init__(self, model: Transformer, kv_caches: list, block_size: int, device: torch.device):
         self.model = model
         self.device = device
         self.block_size = block_size
-        self.kv_caches = kv_format.allocate(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
-                                            device)
+        self.kv_caches = kv_caches  # one per layer, as the engine's KVCacheFormat allocated them
         self.sampler = Sampler()
 
     @torch.inference_mode()

@@ -11,9 +11,7 @@ from dataclasses import dataclass, field
 
 from .kv_cache_manager import KVCacheManager
 from .sequence import Sequence, SequenceStatus
-from .speculative import NgramProposer, NoProposer, SpeculationStats, record_kept
-
-Proposer = NoProposer | NgramProposer
+from .speculative import NoProposer, Proposer, SpeculationStats, record_kept
 
 
 @dataclass(frozen=True)
@@ -29,8 +27,9 @@ class SchedulerConfig:
 class ScheduledChunk:
     """Run tokens [start, start + num_tokens) of `seq`; sample a token after them when `sample` is set.
 
-    A decode chunk may end in `guesses`, a proposer's tokens after the sequence's last: the step scores them too,
-    and the sequence keeps those the model agrees with (speculative decoding)."""
+    A decode chunk may end in `guesses`, a proposer's tokens after the sequence's last (at most `max_guesses`, for
+    which it holds KV slots): the step scores them too, and the sequence keeps those the model agrees with
+    (speculative decoding)."""
 
     seq: Sequence
     start: int
@@ -38,6 +37,11 @@ class ScheduledChunk:
     block_table: list[int]
     sample: bool
     guesses: list[int] = field(default_factory=list)
+    max_guesses: int = 0
+
+    def add_guesses(self, guesses: list[int]) -> None:
+        self.guesses = guesses[:self.max_guesses]
+        self.num_tokens += len(self.guesses)
 
     @property
     def token_ids(self) -> list[int]:
@@ -101,6 +105,9 @@ class Scheduler:
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted:
             self._schedule_waiting(out, budget)
+        if guessing := [c for c in out.chunks if c.max_guesses]:
+            for chunk, guesses in zip(guessing, self.proposer.propose(guessing), strict=True):
+                chunk.add_guesses(guesses)
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -109,13 +116,13 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            guesses = self._guesses(seq, budget) if n == 1 else []
-            if guesses and not self.kv.allocate_slots(seq, n + len(guesses)):
-                guesses = []  # guesses never cost another sequence its blocks
+            guesses = self._max_guesses(seq, budget) if n == 1 else 0
+            if guesses and not self.kv.allocate_slots(seq, n + guesses):
+                guesses = 0  # guesses never cost another sequence its blocks
             if not guesses and not self._make_room(seq, n, out):
                 continue  # `seq` itself was preempted
             out.chunks.append(self._chunk(seq, n, guesses))
-            budget -= n + len(guesses)
+            budget -= n + guesses
             i += 1
         return budget
 
@@ -130,13 +137,14 @@ class Scheduler:
                 return False
         return True
 
-    def _guesses(self, seq: Sequence, budget: int) -> list[int]:
-        """The proposer's tokens for a decoding sequence, no more than the step's budget, its max_tokens and the
-        model's length leave room for after the token the step samples anyway; none in a large batch."""
+    def _max_guesses(self, seq: Sequence, budget: int) -> int:
+        """How many guesses a decoding sequence may get: what the proposer would give it, no more than the step's
+        budget, its max_tokens and the model's length leave room for after the token the step samples anyway;
+        none in a large batch."""
         if seq.forks_pending or len(self.running) > self.proposer.max_batch:
-            return []
+            return 0
         room = min(budget, seq.params.max_tokens - seq.num_output_tokens, self.config.max_model_len - seq.num_tokens)
-        return self.proposer.propose(seq, room - 1)
+        return self.proposer.max_guesses(seq, room - 1)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         self.waiting.sort(key=self._waiting_key)
@@ -158,10 +166,10 @@ class Scheduler:
             out.chunks.append(self._chunk(seq, n))
             budget -= n
 
-    def _chunk(self, seq: Sequence, n: int, guesses: list[int] | None = None) -> ScheduledChunk:
-        start, guesses = seq.num_computed_tokens, guesses or []
-        return ScheduledChunk(seq, start, n + len(guesses), self.kv.block_table(seq),
-                              sample=start + n == seq.num_tokens, guesses=guesses)
+    def _chunk(self, seq: Sequence, n: int, max_guesses: int = 0) -> ScheduledChunk:
+        start = seq.num_computed_tokens
+        return ScheduledChunk(seq, start, n, self.kv.block_table(seq), sample=start + n == seq.num_tokens,
+                              max_guesses=max_guesses)
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv.free(seq)

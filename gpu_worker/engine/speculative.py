@@ -18,12 +18,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .sequence import Sequence
 
-METHODS = ("ngram",)
+if TYPE_CHECKING:
+    from .scheduler import ScheduledChunk
+
+# ngram: prompt lookup; self-int8 / self-int4: the target's own weights quantized at load time draft the guesses.
+METHODS = ("ngram", "self-int8", "self-int4")
 # Below this recent acceptance a sequence gets no guesses: scoring them costs more than the few kept save. Each
 # step without guesses raises it by RECOVERY, so the sequence is tried again after a while (its text may turn to
 # quoting). A step's kept share moves the average by KEPT_WEIGHT.
@@ -63,34 +68,56 @@ class SpeculativeConfig:
             raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
         return config
 
+    @property
+    def self_draft_quantization(self) -> str | None:
+        """int8 or int4 for a quantized self-draft, else None."""
+        return self.method.removeprefix("self-") if self.method.startswith("self-") else None
 
-class NoProposer:
+
+class Proposer:
+    """Guesses the next tokens of decoding sequences. The scheduler asks `max_guesses` of each sequence it may
+    let guess, holds that many KV slots, then asks `propose` once for all of the step's guessing chunks (so a
+    draft model can step them as one batch); a proposer may return fewer guesses than the slots it was given.
+
+    `max_guesses` adapts: fewer guesses where fewer are kept, none below MIN_ACCEPTANCE for a while."""
+
+    def __init__(self, k: int, max_batch: int):
+        self.k, self.max_batch = k, max_batch
+
+    def max_guesses(self, seq: Sequence, room: int) -> int:
+        if seq.guess_acceptance < MIN_ACCEPTANCE:
+            seq.guess_acceptance += RECOVERY
+            return 0
+        return max(min(math.ceil(self.k * seq.guess_acceptance), room), 0)
+
+    def propose(self, chunks: list[ScheduledChunk]) -> list[list[int]]:
+        raise NotImplementedError
+
+
+class NoProposer(Proposer):
     """Speculation off: no sequence gets guesses."""
 
-    max_batch = 0
+    def __init__(self) -> None:
+        super().__init__(0, 0)
 
-    def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
-        return []
+    def propose(self, chunks: list[ScheduledChunk]) -> list[list[int]]:
+        return [[] for _ in chunks]
 
 
-class NgramProposer:
+class NgramProposer(Proposer):
     """Prompt lookup: the longest suffix of the sequence (prompt and output) that occurred earlier in it proposes
     the tokens that followed its latest earlier occurrence. Strong where the output quotes its input (RAG answers,
     code edits, summaries with citations); free where it finds nothing."""
 
     def __init__(self, config: SpeculativeConfig):
-        self.k = config.num_speculative_tokens
+        super().__init__(config.num_speculative_tokens, config.disable_by_batch_size)
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
-        self.max_batch = config.disable_by_batch_size
 
-    def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
-        if seq.guess_acceptance < MIN_ACCEPTANCE:
-            seq.guess_acceptance += RECOVERY
-            return []
-        k = min(math.ceil(self.k * seq.guess_acceptance), max_tokens)  # fewer guesses where fewer are kept
-        if k <= 0:
-            return []
-        tokens = np.asarray(seq.token_ids)
+    def propose(self, chunks: list[ScheduledChunk]) -> list[list[int]]:
+        return [self.lookup(c.seq.token_ids, c.max_guesses) for c in chunks]
+
+    def lookup(self, token_ids: list[int], k: int) -> list[int]:
+        tokens = np.asarray(token_ids)
         for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
             windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)  # every earlier n-gram
             starts = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
@@ -98,10 +125,6 @@ class NgramProposer:
                 follow = starts[-1] + n
                 return tokens[follow:follow + k].tolist()
         return []
-
-
-def proposer_for(config: SpeculativeConfig | None) -> NoProposer | NgramProposer:
-    return NoProposer() if config is None else NgramProposer(config)
 
 
 def record_kept(seq: Sequence, guessed: int, kept: int) -> None:

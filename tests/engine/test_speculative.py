@@ -9,8 +9,9 @@ import torch
 
 from gpu_worker.engine import LLM, SamplingParams
 from gpu_worker.engine.sampler import Sampler, SamplingBatch, position_uniform
+from gpu_worker.engine.scheduler import ScheduledChunk
 from gpu_worker.engine.sequence import Sequence
-from gpu_worker.engine.speculative import NgramProposer, SpeculativeConfig, accepted_prefix, record_kept
+from gpu_worker.engine.speculative import NgramProposer, Proposer, SpeculativeConfig, accepted_prefix, record_kept
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
 # Repetitive prompts: small random models fall into loops, which the n-gram proposer then predicts.
@@ -21,35 +22,41 @@ def _seq(tokens: list[int], **params) -> Sequence:
     return Sequence(0, "g", 0, list(tokens), len(tokens), SamplingParams(temperature=0.0, **params), seed=0)
 
 
+def _guesses(proposer: Proposer, seq: Sequence, room: int) -> list[int]:
+    """What the scheduler gets from the proposer for one decoding sequence."""
+    k = proposer.max_guesses(seq, room)
+    return proposer.propose([ScheduledChunk(seq, seq.num_tokens - 1, 1, [], True, max_guesses=k)])[0] if k else []
+
+
 def test_ngram_proposes_what_followed_the_latest_earlier_occurrence_of_the_longest_suffix():
     proposer = NgramProposer(SpeculativeConfig("ngram", 3, prompt_lookup_min=1, prompt_lookup_max=3))
     # The suffix [1, 2] occurred twice before; its latest occurrence was followed by 7, 8, 1.
-    assert proposer.propose(_seq([1, 2, 5, 6, 1, 2, 7, 8, 1, 2]), 10) == [7, 8, 1]
-    assert proposer.propose(_seq([1, 2, 5, 6, 1, 2, 7, 8, 1, 2]), 2) == [7, 8]  # no more than room allows
-    assert proposer.propose(_seq([1, 2, 3, 4]), 10) == []  # nothing repeats
-    assert proposer.propose(_seq([4, 4, 4, 4]), 10) == [4]  # the latest occurrence, overlapping the suffix
+    assert _guesses(proposer, _seq([1, 2, 5, 6, 1, 2, 7, 8, 1, 2]), 10) == [7, 8, 1]
+    assert _guesses(proposer, _seq([1, 2, 5, 6, 1, 2, 7, 8, 1, 2]), 2) == [7, 8]  # no more than room allows
+    assert _guesses(proposer, _seq([1, 2, 3, 4]), 10) == []  # nothing repeats
+    assert _guesses(proposer, _seq([4, 4, 4, 4]), 10) == [4]  # the latest occurrence, overlapping the suffix
 
 
 def test_sampled_requests_and_requests_wanting_logprobs_or_penalties_get_guesses_too():
     proposer = NgramProposer(SpeculativeConfig("ngram", 3))
     repeating = [1, 2, 3, 1, 2, 3, 1, 2]
-    assert proposer.propose(_seq(repeating, logprobs=2), 10) == [3, 1, 2]
-    assert proposer.propose(_seq(repeating, repetition_penalty=1.2), 10) == [3, 1, 2]
+    assert _guesses(proposer, _seq(repeating, logprobs=2), 10) == [3, 1, 2]
+    assert _guesses(proposer, _seq(repeating, repetition_penalty=1.2), 10) == [3, 1, 2]
     sampled = Sequence(0, "g", 0, repeating, 8, SamplingParams(temperature=0.8), seed=0)
-    assert proposer.propose(sampled, 10) == [3, 1, 2]
+    assert _guesses(proposer, sampled, 10) == [3, 1, 2]
 
 
 def test_a_sequence_whose_guesses_are_mostly_rejected_gets_fewer_then_none_and_later_is_tried_again():
     proposer = NgramProposer(SpeculativeConfig("ngram", 4))
     seq = _seq([1, 2, 3, 4, 5, 6] * 3)
-    assert len(proposer.propose(seq, 10)) == 4
+    assert len(_guesses(proposer, seq, 10)) == 4
     record_kept(seq, 4, 1)
     record_kept(seq, 4, 1)
-    assert 1 <= len(proposer.propose(seq, 10)) < 4  # fewer guesses where fewer are kept
+    assert 1 <= len(_guesses(proposer, seq, 10)) < 4  # fewer guesses where fewer are kept
     for _ in range(3):
         record_kept(seq, 4, 0)
     silent = 0
-    while not proposer.propose(seq, 10):
+    while not _guesses(proposer, seq, 10):
         silent += 1
     assert 5 <= silent <= 20  # a while without guesses, then tried again
 
@@ -60,23 +67,29 @@ def test_the_verifier_keeps_guesses_up_to_the_first_disagreement_then_the_models
     assert accepted_prefix([4, 5, 6], [1, 5, 6, 7]) == [1]
 
 
-class ReplayingProposer:
+class ReplayingProposer(Proposer):
     """Guesses the continuation a non-speculative run produced, every third guess wrong: the verifier must keep
     the right guesses up to the first wrong one and no further. (The tiny random test models never repeat
     themselves, so n-gram guesses would rarely be kept.)"""
 
     def __init__(self, prompts: list[list[int]], outputs: list[list[int]], k: int = 4, max_batch: int = 64,
                  scheduler=None):
+        super().__init__(k, max_batch)
         self.continuations = {tuple(p): o for p, o in zip(prompts, outputs, strict=True)}
-        self.k, self.max_batch, self.calls = k, max_batch, 0
-        self.scheduler, self.batch_sizes = scheduler, []
+        self.calls, self.scheduler, self.batch_sizes = 0, scheduler, []
 
-    def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
-        self.calls += 1
+    def max_guesses(self, seq: Sequence, room: int) -> int:
+        return max(min(self.k, room), 0)
+
+    def propose(self, chunks: list[ScheduledChunk]) -> list[list[int]]:
         if self.scheduler is not None:
             self.batch_sizes.append(len(self.scheduler.running))
+        return [self._replay(c.seq, c.max_guesses) for c in chunks]
+
+    def _replay(self, seq: Sequence, k: int) -> list[int]:
+        self.calls += 1
         done = seq.num_output_tokens
-        guesses = self.continuations[tuple(seq.token_ids[:seq.num_prompt_tokens])][done:done + min(self.k, max_tokens)]
+        guesses = self.continuations[tuple(seq.token_ids[:seq.num_prompt_tokens])][done:done + k]
         return [g + 1 if (self.calls + i) % 3 == 0 else g for i, g in enumerate(guesses)]
 
 
@@ -233,3 +246,39 @@ def test_the_verifier_keeps_a_guess_with_the_models_probability_and_otherwise_sa
     residual[guesses[0]] = 0.0
     rejected = torch.bincount(torch.tensor([o[0] for o in outputs if len(o) == 1]), minlength=6)
     assert _tv(rejected, residual / residual.sum()) < 0.015  # (p - q)+, normalised
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_a_self_int8_draft_gives_the_non_speculative_greedy_output_and_most_of_its_guesses_are_kept(
+        make_checkpoint, arch):
+    model = str(make_checkpoint(arch))
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    plain = [o.token_ids for o in LLM(model, dtype="float32").generate(PROMPTS, params)]
+    draft = {"method": "self-int8", "num_speculative_tokens": 3}
+    fast = LLM(model, dtype="float32", speculative=draft, max_num_batched_tokens=24, kv_cache_memory_bytes=1 << 20)
+    assert [o.token_ids for o in fast.generate(PROMPTS, params)] == plain
+    stats = fast.engine.stats()
+    assert stats["spec_decode_num_accepted_tokens"] > 0.5 * stats["spec_decode_num_draft_tokens"] > 0
+    assert stats["kv_blocks_used"] == 0
+
+
+def test_a_self_draft_samples_with_the_requests_uniforms_so_seeded_output_is_unchanged_and_guesses_are_kept(
+        make_checkpoint):
+    model = str(make_checkpoint("llama"))
+    want = LLM(model, dtype="float32").generate(PROMPTS, SAMPLED)
+    fast = LLM(model, dtype="float32", speculative={"method": "self-int8", "num_speculative_tokens": 3,
+                                                       "disable_by_batch_size": 8})
+    got = fast.generate(PROMPTS, SAMPLED)
+    assert [[c.token_ids for c in o.outputs] for o in got] == [[c.token_ids for c in o.outputs] for o in want]
+    stats = fast.engine.stats()
+    assert stats["spec_decode_num_accepted_tokens"] > 0.3 * stats["spec_decode_num_draft_tokens"] > 0
+
+
+def test_a_self_draft_of_a_model_whose_weights_are_quantized_already_is_refused(tmp_path, make_checkpoint):
+    from gpu_worker.engine.errors import ModelLoadError
+    from gpu_worker.engine.quantization.convert import quantize_checkpoint
+
+    quantized = tmp_path / "int8"
+    quantize_checkpoint(str(make_checkpoint("llama")), "int8", quantized, 0)
+    with pytest.raises(ModelLoadError, match="quantized already"):
+        LLM(str(quantized), dtype="float32", speculative={"method": "self-int8", "num_speculative_tokens": 3})
