@@ -1,9 +1,10 @@
 """`tokenfleet bench spec`: speculative decoding on against off, at batch 1 (and larger batches), on one engine.
 
 Each round serves every prompt of a set (greedy; `--batches`: that many requests at once, the set's prompts
-repeated to fill a batch) with the n-gram proposer and without it, in alternating order: one engine whose
-proposer is switched, because two engines in one process ran up to 1.25x apart by which was created first.
-Reports tokens/s both ways, the speedup per round (median [min, max]), the guesses' acceptance rate and the
+repeated to fill a batch) without guesses and with each proposer (`--methods`: n-gram lookup, a self-int8 or
+self-int4 draft), each mode leading a round in turn: one engine whose proposer is switched, because two engines in
+one process ran up to 1.25x apart by which was created first.
+Reports tokens/s each way, the speedup per round (median [min, max]), the guesses' acceptance rate and the
 tokens each target forward produced (1 + kept guesses per step), against the i.i.d. expectation
 (1 - a^(k+1)) / (1 - a) at the measured per-guess acceptance a. The prompt sets (`bench/data/spec_prompts.json`):
 quote-heavy (passages followed by "quote the sentence that ...", code with "rename x to y") and free chat.
@@ -18,7 +19,9 @@ import time
 from datetime import date
 from pathlib import Path
 
+from .quant import dense_checkpoint
 from .report import publish
+from .spec_coupling import coupling
 
 PROMPTS = Path(__file__).parent / "data" / "spec_prompts.json"
 
@@ -41,53 +44,92 @@ def _serve(llm, prompts: list[str], max_tokens: int, batch: int = 1) -> tuple[fl
 
 def run(args: argparse.Namespace) -> dict:
     from gpu_worker.engine import LLM
-    from gpu_worker.engine.speculative import NgramProposer, NoProposer, SpeculativeConfig
+    from gpu_worker.engine.speculative import SpeculativeConfig
 
-    config = SpeculativeConfig("ngram", args.num_speculative_tokens)
-    llm = LLM(args.model, dtype=args.dtype)
-    proposers = {"on": NgramProposer(config), "off": NoProposer()}
+    methods = args.methods.split(",")
+    # A self-draft quantizes dense weights: the target is then the model's dense bf16 copy (for every method).
+    model = dense_checkpoint(args.model) if any(m.startswith("self-") for m in methods) else args.model
+    llm = LLM(model, dtype=args.dtype)
+    k = args.num_speculative_tokens
+    proposers = {"off": llm.engine.proposer_for(None)}
+    proposers |= {m: llm.engine.proposer_for(SpeculativeConfig(m, k)) for m in methods}
     sets = json.loads(PROMPTS.read_text())
-    result = {"model": args.model, "dtype": args.dtype, "date": str(date.today()), "k": config.num_speculative_tokens,
+    result = {"model": args.model, "target": model, "dtype": args.dtype, "date": str(date.today()), "k": k,
               "rounds": args.rounds, "sets": {}}
     for name, prompts, batch in [(n, p, b) for n, p in sets.items() for b in map(int, args.batches.split(","))]:
-        llm.engine.scheduler.proposer = proposers["on"]
-        _serve(llm, prompts[:1], 8)  # warm-up
-        runs = {"on": [], "off": []}
+        for proposer in proposers.values():  # warm-up
+            llm.engine.scheduler.proposer = proposer
+            _serve(llm, prompts[:1], 8)
+        runs = {mode: [] for mode in proposers}
+        modes = list(proposers)
         for r in range(args.rounds):
-            for mode in (("on", "off") if r % 2 == 0 else ("off", "on")):
+            for mode in modes[r % len(modes):] + modes[:r % len(modes)]:  # each mode leads a round in turn
                 llm.engine.scheduler.proposer = proposers[mode]
                 runs[mode].append(_serve(llm, prompts, args.max_tokens, batch))
-        speedups = [(on[1] / on[0]) / (off[1] / off[0]) for on, off in zip(runs["on"], runs["off"], strict=True)]
-        guessed, kept = sum(r[2] for r in runs["on"]), sum(r[3] for r in runs["on"])
-        tokens = sum(r[1] for r in runs["on"])
-        acceptance = kept / guessed if guessed else 0.0
-        k = config.num_speculative_tokens
         result["sets"][f"{name}, batch {batch}"] = {
-            "tps_on": statistics.median(r[1] / r[0] for r in runs["on"]),
             "tps_off": statistics.median(r[1] / r[0] for r in runs["off"]),
-            "speedup": (statistics.median(speedups), min(speedups), max(speedups)),
-            "acceptance": acceptance,
-            "tokens_per_forward": tokens / (tokens - kept),
-            "iid_expectation": (1 - acceptance ** (k + 1)) / (1 - acceptance) if acceptance < 1 else k + 1.0,
+            "methods": {m: _figures(runs[m], runs["off"], k) for m in methods},
         }
+    llm.engine.scheduler.proposer = proposers["off"]
+    texts, prompt_lens = _target_texts(llm, [p for prompts in sets.values() for p in prompts], args.max_tokens)
+    result["coupling"] = {m: coupling(llm, proposers[m].runner, texts, prompt_lens)
+                          for m in methods if m.startswith("self-")}
     return result
 
 
+def _target_texts(llm, prompts: list[str], max_tokens: int) -> tuple[list[list[int]], list[int]]:
+    """Each prompt (as a chat) followed by the target's own greedy answer, and the prompt's length."""
+    from gpu_worker.engine import SamplingParams
+
+    chats = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+    outputs = llm.generate(chats, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+    return [c + o.token_ids for c, o in zip(chats, outputs, strict=True)], [len(c) for c in chats]
+
+
+def _figures(on: list[tuple], off: list[tuple], k: int) -> dict:
+    """A method's throughput, its speedup over the same rounds without guesses, and how many guesses it kept."""
+    speedups = [(a[1] / a[0]) / (b[1] / b[0]) for a, b in zip(on, off, strict=True)]
+    guessed, kept, tokens = (sum(r[i] for r in on) for i in (2, 3, 1))
+    acceptance = kept / guessed if guessed else 0.0
+    return {
+        "tps": statistics.median(r[1] / r[0] for r in on),
+        "speedup": (statistics.median(speedups), min(speedups), max(speedups)),
+        "acceptance": acceptance,
+        "tokens_per_forward": tokens / (tokens - kept),
+        "iid_expectation": (1 - acceptance ** (k + 1)) / (1 - acceptance) if acceptance < 1 else k + 1.0,
+    }
+
+
 def format_table(r: dict) -> str:
-    lines = [f"tokenfleet bench spec — {r['model']} ({r['dtype']}), n-gram k={r['k']}, {r['rounds']} rounds, "
-             f"{r['date']}", "",
-             "| prompts | tok/s off | tok/s on | speedup, median [min, max] | guesses kept | tokens per forward | "
-             "i.i.d. expectation |", "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [f"tokenfleet bench spec — {r['model']} ({r['dtype']}, target {Path(r['target']).name}), k={r['k']}, "
+             f"{r['rounds']} rounds, {r['date']}", "",
+             "| prompts | method | tok/s off | tok/s on | speedup, median [min, max] | guesses kept | "
+             "tokens per forward | i.i.d. expectation |", "|---|---|---:|---:|---:|---:|---:|---:|"]
     for name, s in r["sets"].items():
-        med, lo, hi = s["speedup"]
-        lines.append(f"| {name} | {s['tps_off']:.1f} | {s['tps_on']:.1f} | {med:.2f} [{lo:.2f}, {hi:.2f}] | "
-                     f"{s['acceptance']:.0%} | {s['tokens_per_forward']:.2f} | {s['iid_expectation']:.2f} |")
+        for method, f in s["methods"].items():
+            med, lo, hi = f["speedup"]
+            lines.append(f"| {name} | {method} | {s['tps_off']:.1f} | {f['tps']:.1f} | {med:.2f} [{lo:.2f}, {hi:.2f}] "
+                         f"| {f['acceptance']:.0%} | {f['tokens_per_forward']:.2f} | {f['iid_expectation']:.2f} |")
+    if r["coupling"]:
+        lines += ["", "Sampled requests (no top-k/top-p): a draft's guesses kept when it samples with the target's "
+                  "uniforms (exact, seeded output unchanged) against the rejection sampler's sum min(p, q)", "",
+                  "| draft | greedy agreement | " + " | ".join(f"{t} uniforms | {t} min(p, q)" for t in _temps(r))
+                  + " |", "|---|---:|" + "---:|---:|" * len(_temps(r))]
+        for method, c in r["coupling"].items():
+            cells = " | ".join(f"{c[t]['coupled']:.1%} | {c[t]['optimal']:.1%}" for t in _temps(r))
+            lines.append(f"| {method} | {c['greedy']['agreement']:.1%} | {cells} |")
     return "\n".join(lines)
+
+
+def _temps(r: dict) -> list[str]:
+    return [t for t in next(iter(r["coupling"].values())) if t.startswith("T=")]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--methods", default="ngram,self-int8", help="proposers, comma-separated: ngram, self-int8, "
+                   "self-int4 (a self-draft's target is the model's dense bf16 copy)")
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3)

@@ -8,7 +8,8 @@ import json
 import sys
 from pathlib import Path
 
-SPECULATIVE_HELP = 'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4}'
+SPECULATIVE_HELP = ('speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4}; methods: '
+                    'ngram, draft (with "model": a draft checkpoint), self-int8, self-int4')
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -59,7 +60,7 @@ BENCHMARKS = {
     "semantic-cache": ("bench.semantic_cache", "semantic cache hit / wrong-hit rates on the shipped pairs"),
     "quality": ("bench.quality", "perplexity, greedy agreement and task accuracy against a reference"),
     "quant": ("bench.quant", "int8 / int4 weights against bf16: bytes, quality and speed (and llama.cpp)"),
-    "spec": ("bench.spec", "speculative decoding (n-gram) on against off at batch 1, on quote-heavy and chat prompts"),
+    "spec": ("bench.spec", "speculative decoding (n-gram, draft models) on against off, quote and chat prompts"),
 }
 
 

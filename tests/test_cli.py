@@ -65,15 +65,17 @@ def test_bench_engine_writes_a_table_and_json(model_dir, tmp_path):
     assert "| mixed | hf-generate (static 16) |" in proc.stdout
 
 
-def test_bench_spec_reports_speculation_on_against_off_per_prompt_set_and_batch(model_dir, tmp_path):
+def test_bench_spec_reports_each_proposer_against_no_speculation_per_prompt_set_and_batch(model_dir, tmp_path):
     out = tmp_path / "spec.json"
     proc = _tokenfleet("bench", "spec", "--model", model_dir, "--dtype", "float32", "--rounds", "1",
-                       "--max-tokens", "8", "--batches", "1,4", "--json", str(out))
+                       "--max-tokens", "8", "--batches", "1,4", "--methods", "ngram,self-int8", "--json", str(out))
     assert proc.returncode == 0, proc.stderr
     sets = json.loads(out.read_text())["sets"]
     assert set(sets) == {"quote, batch 1", "quote, batch 4", "chat, batch 1", "chat, batch 4"}
-    assert all(s["tps_on"] > 0 and s["tps_off"] > 0 and s["tokens_per_forward"] >= 1 for s in sets.values())
-    assert "| quote, batch 1 |" in proc.stdout
+    assert all(set(s["methods"]) == {"ngram", "self-int8"} and s["tps_off"] > 0 for s in sets.values())
+    assert all(f["tps"] > 0 and f["tokens_per_forward"] >= 1 for s in sets.values() for f in s["methods"].values())
+    assert sets["chat, batch 1"]["methods"]["self-int8"]["acceptance"] > 0
+    assert "| quote, batch 1 | self-int8 |" in proc.stdout
 
 
 def test_bench_prefix_reports_ttft_with_caching_on_and_off(model_dir, tmp_path):

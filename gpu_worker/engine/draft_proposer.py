@@ -1,15 +1,20 @@
-"""A draft model proposes guesses by running ahead of the target: a cheaper copy of the target (its own weights
-quantized to int8 or int4) decodes the next tokens of every guessing sequence, all of them in one batch per
-draft step.
+"""A draft model proposes guesses by running ahead of the target, all guessing sequences in one batch per draft
+step: a smaller checkpoint with the target's tokenizer (`draft`), or the target's own weights quantized to int8 or
+int4 (`self-int8`, `self-int4`).
 
-The self-draft has the target's layers and heads, so it reads the target's own KV cache: the context the draft
-attends to is the target's exact keys and values, and nothing has to catch up after a rejection. The draft
-writes its keys and values only into the slots the step holds for the sequence's last token and its guesses,
-which the target's verifying step overwrites before anything reads them.
+A self-draft has the target's layers and heads, so it reads the target's own KV cache: the context it attends to
+is the target's exact keys and values, and nothing has to catch up after a rejection. It writes keys and values
+only into the slots the step holds for the sequence's last token and its guesses, which the target's verifying
+step overwrites before anything reads them.
+
+A separate draft model has a KV cache of its own, indexed by the target's block tables (same blocks, same
+slots). It first computes the tokens it has not seen (`Sequence.num_draft_computed_tokens` up to the last one:
+the whole prompt the first time, the kept guesses and the model's token after a step), in the same forward as
+the other sequences' draft steps.
 
 Each draft token is sampled as the target samples (the request's penalties, temperature and filters, and the
-uniform of that output position): where the two distributions are close, the same uniform picks the same
-token, so sampled requests keep most guesses too, and the verifier stays exact whatever the draft proposes.
+uniform of that output position): where the two distributions are close, the same uniform picks the same token,
+so sampled requests keep guesses too, and the verifier stays exact whatever the draft proposes.
 """
 
 from __future__ import annotations
@@ -23,21 +28,30 @@ from .speculative import Proposer, SpeculativeConfig
 
 
 class DraftModelProposer(Proposer):
-    def __init__(self, config: SpeculativeConfig, runner: ModelRunner):
+    def __init__(self, config: SpeculativeConfig, runner: ModelRunner, shares_target_cache: bool):
         super().__init__(config.num_speculative_tokens, config.disable_by_batch_size)
-        self.runner = runner
+        self.runner, self.shares_target_cache = runner, shares_target_cache
 
     def propose(self, chunks: list[ScheduledChunk]) -> list[list[int]]:
         guesses: list[list[int]] = [[] for _ in chunks]
         for step in range(max(c.max_guesses for c in chunks)):
             active = [i for i, c in enumerate(chunks) if c.max_guesses > step]
-            # Step `step` feeds each sequence's token at position start + step (its last, then its guesses).
-            drafts = [ScheduledChunk(_with_guesses(chunks[i].seq, guesses[i]), chunks[i].start + step, 1,
-                                     chunks[i].block_table, sample=True) for i in active]
+            drafts = [self._draft_chunk(chunks[i], guesses[i]) for i in active]
             sampled, _ = self.runner.execute(SchedulerOutput(drafts))
             for i, draft in zip(active, drafts, strict=True):
                 guesses[i].append(sampled[draft.seq.seq_id][0].token_id)
+        if not self.shares_target_cache:
+            for chunk in chunks:  # its KV now covers the last token and every guess but the last
+                chunk.seq.num_draft_computed_tokens = chunk.start + chunk.max_guesses
         return guesses
+
+    def _draft_chunk(self, chunk: ScheduledChunk, guesses: list[int]) -> ScheduledChunk:
+        """The draft's tokens for `chunk` this draft step: its last token (with a cache of its own, from the
+        first it has not seen), then one guess at a time."""
+        position = chunk.start + len(guesses)
+        start = position if guesses or self.shares_target_cache else chunk.seq.num_draft_computed_tokens
+        return ScheduledChunk(_with_guesses(chunk.seq, guesses), start, position + 1 - start, chunk.block_table,
+                              sample=True)
 
 
 def _with_guesses(seq: Sequence, guesses: list[int]) -> Sequence:

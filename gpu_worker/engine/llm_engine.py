@@ -101,13 +101,30 @@ class LLMEngine:
             return NoProposer()
         if config.method == "ngram":
             return NgramProposer(config)
+        if config.method == "draft":
+            return self._draft_model_proposer(config)
         if not any(isinstance(m, Linear) and m.weight is not None for m in self.runner.model.modules()):
             raise ModelLoadError(f"speculative method {config.method} drafts with the target's dense weights "
                                  "quantized; this model's are quantized already (the draft would be the model "
                                  "itself): serve a dense checkpoint, or use another method")
         quantizer = WeightQuantizer(config.self_draft_quantization)
         draft = load_model(checkpoint, self.dtype, self.device, quantizer, self.kv_format)
-        return DraftModelProposer(config, ModelRunner(draft, self.runner.kv_caches, self.kv.block_size, self.device))
+        runner = ModelRunner(draft, self.runner.kv_caches, self.kv.block_size, self.device)
+        return DraftModelProposer(config, runner, shares_target_cache=True)
+
+    def _draft_model_proposer(self, config: SpeculativeConfig) -> DraftModelProposer:
+        """A smaller model with the target's tokenizer, with a KV cache of its own over the target's blocks."""
+        checkpoint = open_checkpoint(config.model)
+        cfg, probe = checkpoint.config, "Draft models must split text as the target does: 3.14 über 日本"
+        if cfg.vocab_size != self.model_config.vocab_size or (
+                checkpoint.tokenizer().encode(probe) != self.tokenizer.encode(probe)):
+            raise ModelLoadError(f"draft model {checkpoint.path} does not share the target's tokenizer "
+                                 f"(vocabulary {cfg.vocab_size}, the target's {self.model_config.vocab_size})")
+        draft = load_model(checkpoint, self.dtype, self.device, None, self.kv_format)
+        caches = self.kv_format.allocate(cfg.num_layers, self.kv.pool.num_blocks, self.kv.block_size,
+                                         cfg.num_kv_heads, cfg.head_dim, self.device)
+        return DraftModelProposer(config, ModelRunner(draft, caches, self.kv.block_size, self.device),
+                                  shares_target_cache=False)
 
     def _num_blocks(self) -> int:
         cfg = self.model_config

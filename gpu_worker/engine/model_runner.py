@@ -27,7 +27,7 @@ class ModelRunner:
         the model's next), and the prompt log-probabilities of the chunks that asked for them, by sequence id."""
         # Decode tokens first, shortest context first: attended in groups; then prefill chunks one by one.
         chunks = sorted(out.chunks, key=lambda c: (not _decodes(c), c.start))
-        input_ids, positions, meta = self._prepare(chunks)
+        input_ids, positions, meta = self.prepare(chunks)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         return self._sample(chunks, hidden), prompt_logprobs(self.model, chunks, hidden)
 
@@ -52,7 +52,7 @@ class ModelRunner:
             out[c.seq.seq_id] = choices
         return out
 
-    def _prepare(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def prepare(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []

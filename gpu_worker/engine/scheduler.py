@@ -173,7 +173,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv.free(seq)
-        seq.num_computed_tokens = 0
+        seq.num_computed_tokens = seq.num_draft_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.enqueued_step = self._step
         self.waiting.append(seq)
@@ -203,6 +203,7 @@ class Scheduler:
             # The step wrote KV for the chunk's tokens; of its guesses, only those now in the sequence before its
             # last token count. The others' slots are overwritten when those positions run again.
             seq.num_computed_tokens += chunk.num_tokens - len(chunk.guesses) + max(appended - 1, 0)
+            seq.num_draft_computed_tokens = min(seq.num_draft_computed_tokens, seq.num_computed_tokens)
             self.kv.cache_full_blocks(seq)
             if seq.forks_pending and seq.num_computed_tokens >= seq.num_prompt_tokens:
                 self._fork_pending(seq)

@@ -32,6 +32,9 @@ class Sequence:
     priority: int = 0
     arrival: int = 0
     num_computed_tokens: int = 0
+    # Tokens whose KV a draft model with a cache of its own holds (speculative decoding): at most those the target
+    # holds, since a rejected guess's draft KV is stale; zero after preemption, as the blocks are gone.
+    num_draft_computed_tokens: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     stop_reason: int | str | None = None

@@ -27,8 +27,9 @@ from .sequence import Sequence
 if TYPE_CHECKING:
     from .scheduler import ScheduledChunk
 
-# ngram: prompt lookup; self-int8 / self-int4: the target's own weights quantized at load time draft the guesses.
-METHODS = ("ngram", "self-int8", "self-int4")
+# ngram: prompt lookup; draft: a smaller model with the target's tokenizer (`draft_model`); self-int8 / self-int4:
+# the target's own weights quantized at load time draft the guesses.
+METHODS = ("ngram", "draft", "self-int8", "self-int4")
 # Below this recent acceptance a sequence gets no guesses: scoring them costs more than the few kept save. Each
 # step without guesses raises it by RECOVERY, so the sequence is tried again after a while (its text may turn to
 # quoting). A step's kept share moves the average by KEPT_WEIGHT.
@@ -39,20 +40,24 @@ KEPT_WEIGHT = 0.3
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """vLLM's `speculative_config` keys: `method`, `num_speculative_tokens`, `prompt_lookup_min/max`,
-    `disable_by_batch_size` (no guesses while more sequences than this run: a large batch's step is bound by
-    compute, where every guess scored is a row of work, not a free one)."""
+    """vLLM's `speculative_config` keys: `method`, `num_speculative_tokens`, `prompt_lookup_min/max`, `model` (the
+    draft model: a model name, HF directory or GGUF file; `draft_model` works too), `disable_by_batch_size` (no
+    guesses while more sequences than this run: a large batch's step is bound by compute, where every guess scored
+    is a row of work, not a free one)."""
 
     method: str
     num_speculative_tokens: int
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
     disable_by_batch_size: int = 4
+    model: str | None = None
 
     @classmethod
     def parse(cls, value: dict | None) -> SpeculativeConfig | None:
         if value is None:
             return None
+        if "draft_model" in value:
+            value = {**{k: v for k, v in value.items() if k != "draft_model"}, "model": value["draft_model"]}
         known = {f.name for f in fields(cls)}
         if unknown := set(value) - known:
             raise ValueError(f"unknown speculative settings: {', '.join(sorted(unknown))} "
@@ -62,6 +67,8 @@ class SpeculativeConfig:
         config = cls(**value)
         if config.method not in METHODS:
             raise ValueError(f"speculative method {config.method!r} is not supported; supported: {', '.join(METHODS)}")
+        if (config.method == "draft") != (config.model is not None):
+            raise ValueError("a draft model ('model') is what method 'draft' needs, and only it")
         if config.num_speculative_tokens < 1:
             raise ValueError("num_speculative_tokens must be at least 1")
         if not 1 <= config.prompt_lookup_min <= config.prompt_lookup_max:

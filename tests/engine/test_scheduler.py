@@ -8,6 +8,7 @@ from gpu_worker.engine.kv_cache_manager import KVCacheManager
 from gpu_worker.engine.sampling_params import SamplingParams
 from gpu_worker.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from gpu_worker.engine.sequence import Sequence, SequenceStatus
+from gpu_worker.engine.speculative import Proposer
 
 TOKEN = 7  # every fake sample, unless a test says otherwise
 
@@ -197,3 +198,28 @@ def test_pool_is_all_free_after_a_workload_with_chunks_forks_and_preemptions():
     assert not sched.has_unfinished
     assert sched.num_preemptions > 0, "the workload is meant to exercise preemption"
     assert sched.kv.pool.num_free == 24 and sched.kv.block_tables == {}
+
+
+class FixedGuesses(Proposer):
+    """Guesses `guesses` for every decoding sequence, as a draft model with its own cache would: its KV then
+    covers the sequence's last token and every guess but the last."""
+
+    def __init__(self, guesses: list[int]):
+        super().__init__(len(guesses), max_batch=8)
+        self.guesses = guesses
+
+    def propose(self, chunks):
+        for chunk in chunks:
+            chunk.seq.num_draft_computed_tokens = chunk.start + chunk.max_guesses
+        return [self.guesses[:c.max_guesses] for c in chunks]
+
+
+def test_a_draft_caches_tokens_count_only_up_to_the_kept_guesses():
+    sched = Scheduler(SchedulerConfig(), KVCacheManager(256, 4, False), FixedGuesses([1, 2, 3]))
+    seq = make_seq(1, 10, max_tokens=20)
+    sched.add(seq)
+    step(sched)  # the prompt, and a first token
+    out = sched.schedule()
+    assert out.chunks[0].guesses == [1, 2, 3] and seq.num_draft_computed_tokens == 13
+    sched.update(out, {1: [1, 9]}, eos_token_ids=frozenset())  # one guess kept, then the model's own token
+    assert seq.token_ids[-2:] == [1, 9] and seq.num_computed_tokens == seq.num_draft_computed_tokens == 12

@@ -282,3 +282,45 @@ def test_a_self_draft_of_a_model_whose_weights_are_quantized_already_is_refused(
     quantize_checkpoint(str(make_checkpoint("llama")), "int8", quantized, 0)
     with pytest.raises(ModelLoadError, match="quantized already"):
         LLM(str(quantized), dtype="float32", speculative={"method": "self-int8", "num_speculative_tokens": 3})
+
+
+def test_a_draft_model_with_its_own_cache_keeps_up_through_preemption_prefix_caching_chunked_prefill_and_n(
+        make_checkpoint):
+    """The target itself as its draft, but with a cache of its own: nearly every guess is kept only if the draft
+    computes each token it has not seen (after kept guesses, preemptions, prefix-cache hits and forks) exactly."""
+    model = str(make_checkpoint("llama"))
+    shared = [11, 12, 13, 14, 15, 16, 17, 18] * 4  # two whole blocks of 16: the second request hits the cache
+    prompts = [shared + [1, 2, 3], shared + [4, 5], *PROMPTS]
+    params = [SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, n=2 if i == 2 else 1)
+              for i in range(len(prompts))]
+    want = [[c.token_ids for c in o.outputs] for o in LLM(model, dtype="float32").generate(prompts, params)]
+    draft = {"method": "draft", "model": model, "num_speculative_tokens": 3, "disable_by_batch_size": 8}
+    # 16 blocks of 16 tokens: the 8 sequences preempt one another.
+    fast = LLM(model, dtype="float32", speculative=draft, max_num_batched_tokens=24, max_model_len=256,
+               kv_cache_memory_bytes=16 * 16 * 2 * 2 * 2 * 16 * 4)
+    assert [[c.token_ids for c in o.outputs] for o in fast.generate(prompts, params)] == want
+    stats = fast.engine.stats()
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
+    assert stats["spec_decode_num_accepted_tokens"] > 0.95 * stats["spec_decode_num_draft_tokens"] > 0
+
+
+def test_a_smaller_draft_model_gives_the_non_speculative_output(make_checkpoint):
+    model, small = str(make_checkpoint("llama")), str(make_checkpoint("llama", num_hidden_layers=1))
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    want = [o.token_ids for o in LLM(model, dtype="float32").generate(PROMPTS, params)]
+    fast = LLM(model, dtype="float32", speculative_config={"method": "draft", "draft_model": small,
+                                                           "num_speculative_tokens": 3})
+    assert [o.token_ids for o in fast.generate(PROMPTS, params)] == want
+    assert fast.engine.stats()["spec_decode_num_draft_tokens"] > 0
+
+
+def test_a_draft_model_with_another_vocabulary_or_without_a_model_is_refused(make_checkpoint):
+    from gpu_worker.engine.errors import ModelLoadError
+
+    model, other = str(make_checkpoint("llama")), "smollm2-135m-instruct"  # another tokenizer
+    with pytest.raises(ModelLoadError, match="tokenizer"):
+        LLM(model, dtype="float32", speculative={"method": "draft", "model": other, "num_speculative_tokens": 3})
+    with pytest.raises(ValueError, match="draft model"):
+        LLM(model, dtype="float32", speculative={"method": "draft", "num_speculative_tokens": 3})
+    with pytest.raises(ValueError, match="draft model"):
+        LLM(model, dtype="float32", speculative={"method": "ngram", "model": other, "num_speculative_tokens": 3})
