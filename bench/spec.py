@@ -52,10 +52,11 @@ def run(args: argparse.Namespace) -> dict:
     llm = LLM(model, dtype=args.dtype)
     k = args.num_speculative_tokens
     proposers = {"off": llm.engine.proposer_for(None)}
-    proposers |= {m: llm.engine.proposer_for(SpeculativeConfig(m, k)) for m in methods}
+    drafts = {"draft": args.draft_model}
+    proposers |= {m: llm.engine.proposer_for(SpeculativeConfig(m, k, model=drafts.get(m))) for m in methods}
     sets = json.loads(PROMPTS.read_text())
-    result = {"model": args.model, "target": model, "dtype": args.dtype, "date": str(date.today()), "k": k,
-              "rounds": args.rounds, "sets": {}}
+    result = {"model": args.model, "target": model, "draft_model": args.draft_model, "dtype": args.dtype,
+              "date": str(date.today()), "k": k, "rounds": args.rounds, "sets": {}}
     for name, prompts, batch in [(n, p, b) for n, p in sets.items() for b in map(int, args.batches.split(","))]:
         for proposer in proposers.values():  # warm-up
             llm.engine.scheduler.proposer = proposer
@@ -73,7 +74,7 @@ def run(args: argparse.Namespace) -> dict:
     llm.engine.scheduler.proposer = proposers["off"]
     texts, prompt_lens = _target_texts(llm, [p for prompts in sets.values() for p in prompts], args.max_tokens)
     result["coupling"] = {m: coupling(llm, proposers[m].runner, texts, prompt_lens)
-                          for m in methods if m.startswith("self-")}
+                          for m in methods if m != "ngram"}
     return result
 
 
@@ -128,8 +129,9 @@ def _temps(r: dict) -> list[str]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--methods", default="ngram,self-int8", help="proposers, comma-separated: ngram, self-int8, "
-                   "self-int4 (a self-draft's target is the model's dense bf16 copy)")
+    p.add_argument("--methods", default="ngram,self-int8", help="proposers, comma-separated: ngram, draft "
+                   "(--draft-model), self-int8, self-int4 (a self-draft's target is the model's dense bf16 copy)")
+    p.add_argument("--draft-model", default=None, help="method draft's model (same tokenizer as --model)")
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3)
