@@ -32,6 +32,8 @@ from services.settings import StreamSettings, WorkerSettings
 
 log = logging.getLogger(__name__)
 
+PUBSUB_CLOSE_TIMEOUT_S = 2.0
+
 
 class Worker:
     def __init__(self, redis: aioredis.Redis, engine: AsyncLLMEngine, info: p.ModelInfo, worker_id: str,
@@ -307,7 +309,8 @@ class Worker:
         self._beats = 0
 
     async def _cancel_loop(self) -> None:
-        async with self.redis.pubsub(ignore_subscribe_messages=True) as pubsub:
+        pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+        try:
             await pubsub.subscribe(p.CANCEL_CHANNEL)
             while True:
                 # Polled with a timeout: a blocking listen would hit the client's socket timeout when idle.
@@ -318,6 +321,11 @@ class Worker:
                     if request := _parse(delivery):
                         with contextlib.suppress(Exception):
                             await self._abandon(delivery, request, "cancelled")
+        finally:
+            # Not `async with`: PubSub.aclose() can wait forever for its socket to close (redis-py #3941), which
+            # held a draining worker past its stop deadline; a bounded close lets the drain go on.
+            with contextlib.suppress(Exception, asyncio.TimeoutError):
+                await asyncio.wait_for(pubsub.aclose(), PUBSUB_CLOSE_TIMEOUT_S)
 
     def _abandoned(self, request: p.GenerateRequest, status: p.TaskStatus,
                    usage: p.Usage | None = None) -> p.CompletionEvent:

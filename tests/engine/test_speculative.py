@@ -18,6 +18,20 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
 PROMPTS = [[5, 17, 42, 9, 33, 2, 71, 8] * 6, [90, 3, 3, 14] * 10, list(range(200, 260)), [7] * 30 + [8, 9]]
 
 
+# Two prompts sharing two whole blocks (the second hits the prefix cache), then PROMPTS, one of them sampled twice.
+MIXED = [[11, 12, 13, 14, 15, 16, 17, 18] * 4 + [1, 2, 3], [11, 12, 13, 14, 15, 16, 17, 18] * 4 + [4, 5], *PROMPTS]
+MIXED_PARAMS = [SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, n=2 if i == 2 else 1)
+                for i in range(len(MIXED))]
+
+
+def _crowded(plain: LLM) -> dict:
+    """Engine settings under which MIXED runs in 24-token steps (chunked prefill) over 16 blocks of 16 tokens,
+    where its 8 sequences preempt one another."""
+    cfg, kv_format = plain.engine.model_config, plain.engine.kv_format
+    block = kv_format.bytes_per_block(cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim)
+    return {"max_num_batched_tokens": 24, "max_model_len": 256, "kv_cache_memory_bytes": 16 * block}
+
+
 def _seq(tokens: list[int], **params) -> Sequence:
     return Sequence(0, "g", 0, list(tokens), len(tokens), SamplingParams(temperature=0.0, **params), seed=0)
 
@@ -106,13 +120,15 @@ def test_greedy_output_is_identical_with_ngram_speculation(make_checkpoint, arch
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
 def test_kept_guesses_and_rejected_ones_give_the_non_speculative_output_token_for_token(make_checkpoint, arch):
+    """...in batches that mix chunked prefill, preemption, prefix-cache hits and n > 1."""
     model = str(make_checkpoint(arch))
-    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
-    plain = [o.token_ids for o in LLM(model, dtype="float32").generate(PROMPTS, params)]
-    fast = LLM(model, dtype="float32", speculative=NGRAM, max_num_batched_tokens=24, kv_cache_memory_bytes=1 << 20)
-    fast.engine.scheduler.proposer = ReplayingProposer(PROMPTS, plain)
-    assert [o.token_ids for o in fast.generate(PROMPTS, params)] == plain
+    plain = LLM(model, dtype="float32")
+    want = [[c.token_ids for c in o.outputs] for o in plain.generate(MIXED, MIXED_PARAMS)]
+    fast = LLM(model, dtype="float32", speculative=NGRAM, **_crowded(plain))
+    fast.engine.scheduler.proposer = ReplayingProposer(MIXED, [w[0] for w in want], max_batch=8)
+    assert [[c.token_ids for c in o.outputs] for o in fast.generate(MIXED, MIXED_PARAMS)] == want
     stats = fast.engine.stats()
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
     assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
     assert stats["kv_blocks_used"] == 0
 
@@ -289,16 +305,11 @@ def test_a_draft_model_with_its_own_cache_keeps_up_through_preemption_prefix_cac
     """The target itself as its draft, but with a cache of its own: nearly every guess is kept only if the draft
     computes each token it has not seen (after kept guesses, preemptions, prefix-cache hits and forks) exactly."""
     model = str(make_checkpoint("llama"))
-    shared = [11, 12, 13, 14, 15, 16, 17, 18] * 4  # two whole blocks of 16: the second request hits the cache
-    prompts = [shared + [1, 2, 3], shared + [4, 5], *PROMPTS]
-    params = [SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, n=2 if i == 2 else 1)
-              for i in range(len(prompts))]
-    want = [[c.token_ids for c in o.outputs] for o in LLM(model, dtype="float32").generate(prompts, params)]
+    plain = LLM(model, dtype="float32")
+    want = [[c.token_ids for c in o.outputs] for o in plain.generate(MIXED, MIXED_PARAMS)]
     draft = {"method": "draft", "model": model, "num_speculative_tokens": 3, "disable_by_batch_size": 8}
-    # 16 blocks of 16 tokens: the 8 sequences preempt one another.
-    fast = LLM(model, dtype="float32", speculative=draft, max_num_batched_tokens=24, max_model_len=256,
-               kv_cache_memory_bytes=16 * 16 * 2 * 2 * 2 * 16 * 4)
-    assert [[c.token_ids for c in o.outputs] for o in fast.generate(prompts, params)] == want
+    fast = LLM(model, dtype="float32", speculative=draft, **_crowded(plain))
+    assert [[c.token_ids for c in o.outputs] for o in fast.generate(MIXED, MIXED_PARAMS)] == want
     stats = fast.engine.stats()
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
     assert stats["spec_decode_num_accepted_tokens"] > 0.95 * stats["spec_decode_num_draft_tokens"] > 0
