@@ -47,6 +47,8 @@ def run(args: argparse.Namespace) -> dict:
     from gpu_worker.engine.speculative import SpeculativeConfig
 
     methods = args.methods.split(",")
+    if "draft" in methods and not args.draft_model:
+        raise SystemExit("method draft needs --draft-model")
     # A self-draft quantizes dense weights: the target is then the model's dense bf16 copy (for every method).
     model = dense_checkpoint(args.model) if any(m.startswith("self-") for m in methods) else args.model
     llm = LLM(model, dtype=args.dtype)

@@ -324,7 +324,7 @@ class Worker:
         finally:
             # Not `async with`: PubSub.aclose() can wait forever for its socket to close (redis-py #3941), which
             # held a draining worker past its stop deadline; a bounded close lets the drain go on.
-            with contextlib.suppress(Exception, asyncio.TimeoutError):
+            with contextlib.suppress(Exception):  # asyncio.TimeoutError is one
                 await asyncio.wait_for(pubsub.aclose(), PUBSUB_CLOSE_TIMEOUT_S)
 
     def _abandoned(self, request: p.GenerateRequest, status: p.TaskStatus,

@@ -19,7 +19,9 @@ async def answer_from_cache(redis: aioredis.Redis, entry_id: str, request: p.Gen
                             settings: StreamSettings) -> bool:
     completion, rid = hit.completion, request.request_id
     model = request.routing.model
-    usage = completion.usage.model_copy(update={"cached_tokens": completion.usage.prompt_tokens})
+    # No worker computed this answer: every prompt token counts as cached, and no guess was scored.
+    usage = completion.usage.model_copy(update={"cached_tokens": completion.usage.prompt_tokens,
+                                                "draft_tokens": 0, "accepted_draft_tokens": 0})
     timing = p.Timing.unserved(request.enqueued_at)
     chunks = [p.ReplyChunk(kind="started", worker_id=CACHE_WORKER, model=model, prompt_tokens=usage.prompt_tokens,
                            cache=hit.result, traceparent=request.traceparent)]

@@ -208,8 +208,8 @@ class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0  # prompt tokens whose KV came from the worker's prefix cache
-    # Speculative decoding: guesses the worker scored for the request, and those it kept (each kept guess is an
-    # output token that cost no step of its own).
+    # Speculative decoding: guesses the worker scored for the request, and those the verifier accepted (as vLLM
+    # counts them: an accepted guess past a stop is counted, though not emitted or billed).
     draft_tokens: int = 0
     accepted_draft_tokens: int = 0
 

@@ -18,7 +18,8 @@ from .kv_cache_format import kv_cache_format
 from .kv_cache_manager import KVCacheManager
 from .linear import Linear
 from .loader import load_model
-from .model_config import resolve_dtype, resolve_max_model_len
+from .model import Transformer
+from .model_config import ModelConfig, resolve_dtype, resolve_max_model_len
 from .model_runner import ModelRunner
 from .outputs import CompletionOutput, RequestOutput
 from .prompt_logprobs import PromptLogprobs
@@ -75,7 +76,9 @@ class LLMEngine:
         quantizer = load_time_quantizer(config.quantization, checkpoint.quantization, self.device)
         self.kv_format = kv_cache_format(config.kv_cache_dtype, self.dtype, self.device)
         model = load_model(checkpoint, self.dtype, self.device, quantizer, self.kv_format)
-        num_blocks = self._num_blocks()
+        speculative = SpeculativeConfig.parse(config.speculative)
+        draft = self._load_draft(speculative, checkpoint, model)
+        num_blocks = self._num_blocks(draft.config if speculative and speculative.method == "draft" else None)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         cfg = self.model_config
         kv_caches = self.kv_format.allocate(cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads,
@@ -83,7 +86,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, kv_caches, config.block_size, self.device)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len), self.kv,
-            self.proposer_for(SpeculativeConfig.parse(config.speculative), checkpoint),
+            self._proposer(speculative, draft),
         )
         log.info("%s: %s weights%s, KV cache %s: %d blocks of %d tokens (%d tokens)", self.model_path, self.dtype,
                  f" quantized ({quantizer.method} at load)" if quantizer else
@@ -94,42 +97,49 @@ class LLMEngine:
         self._seq_counter = 0
         self._entropy = random.SystemRandom()
 
-    def proposer_for(self, config: SpeculativeConfig | None, checkpoint: Checkpoint | None = None) -> Proposer:
-        """The proposer `config` names, drafting into this engine's KV cache (a benchmark switches between them)."""
-        checkpoint = checkpoint or open_checkpoint(self.config.model)
+    def proposer_for(self, config: SpeculativeConfig | None) -> Proposer:
+        """The proposer `config` names, drafting into this engine's KV cache (a benchmark switches between them;
+        a draft model's KV cache then comes on top of the engine's budget)."""
+        return self._proposer(config, self._load_draft(config, open_checkpoint(self.config.model), self.runner.model))
+
+    def _load_draft(self, config: SpeculativeConfig | None, checkpoint: Checkpoint,
+                    target: Transformer) -> Transformer | None:
+        """The draft model's weights, loaded before the KV cache is sized from the memory left (or None)."""
+        if config is None or config.method == "ngram":
+            return None
+        if config.method == "draft":  # a smaller model with the target's tokenizer
+            draft = open_checkpoint(config.model)
+            vocab, probe = draft.config.vocab_size, "Draft models must split text as the target does: 3.14 über 日本"
+            if vocab != self.model_config.vocab_size or draft.tokenizer().encode(probe) != self.tokenizer.encode(probe):
+                raise ModelLoadError(f"draft model {draft.path} does not share the target's tokenizer "
+                                     f"(vocabulary {vocab}, the target's {self.model_config.vocab_size})")
+            return load_model(draft, self.dtype, self.device, None, self.kv_format)
+        if not any(isinstance(m, Linear) and m.weight is not None for m in target.modules()):
+            raise ModelLoadError(f"speculative method {config.method} drafts with the target's dense weights "
+                                 "quantized; this model's are quantized already (the draft would be the model "
+                                 "itself): serve a dense checkpoint, or use another method")
+        return load_model(checkpoint, self.dtype, self.device, WeightQuantizer(config.self_draft_quantization),
+                          self.kv_format)
+
+    def _proposer(self, config: SpeculativeConfig | None, draft: Transformer | None) -> Proposer:
         if config is None:
             return NoProposer()
         if config.method == "ngram":
             return NgramProposer(config)
-        if config.method == "draft":
-            return self._draft_model_proposer(config)
-        if not any(isinstance(m, Linear) and m.weight is not None for m in self.runner.model.modules()):
-            raise ModelLoadError(f"speculative method {config.method} drafts with the target's dense weights "
-                                 "quantized; this model's are quantized already (the draft would be the model "
-                                 "itself): serve a dense checkpoint, or use another method")
-        quantizer = WeightQuantizer(config.self_draft_quantization)
-        draft = load_model(checkpoint, self.dtype, self.device, quantizer, self.kv_format)
-        runner = ModelRunner(draft, self.runner.kv_caches, self.kv.block_size, self.device)
-        return DraftModelProposer(config, runner, shares_target_cache=True)
-
-    def _draft_model_proposer(self, config: SpeculativeConfig) -> DraftModelProposer:
-        """A smaller model with the target's tokenizer, with a KV cache of its own over the target's blocks."""
-        checkpoint = open_checkpoint(config.model)
-        cfg, probe = checkpoint.config, "Draft models must split text as the target does: 3.14 über 日本"
-        if cfg.vocab_size != self.model_config.vocab_size or (
-                checkpoint.tokenizer().encode(probe) != self.tokenizer.encode(probe)):
-            raise ModelLoadError(f"draft model {checkpoint.path} does not share the target's tokenizer "
-                                 f"(vocabulary {cfg.vocab_size}, the target's {self.model_config.vocab_size})")
-        draft = load_model(checkpoint, self.dtype, self.device, None, self.kv_format)
+        if config.method != "draft":  # a self-draft reads the target's own cache
+            runner = ModelRunner(draft, self.runner.kv_caches, self.kv.block_size, self.device)
+            return DraftModelProposer(config, runner, shares_target_cache=True)
+        cfg = draft.config
         caches = self.kv_format.allocate(cfg.num_layers, self.kv.pool.num_blocks, self.kv.block_size,
                                          cfg.num_kv_heads, cfg.head_dim, self.device)
         return DraftModelProposer(config, ModelRunner(draft, caches, self.kv.block_size, self.device),
                                   shares_target_cache=False)
 
-    def _num_blocks(self) -> int:
-        cfg = self.model_config
-        per_block = self.kv_format.bytes_per_block(cfg.num_layers, self.config.block_size, cfg.num_kv_heads,
-                                                   cfg.head_dim)
+    def _num_blocks(self, draft: ModelConfig | None) -> int:
+        """As many blocks as the budget holds, each with the target's keys and values (and a draft model's, when
+        it has a cache of its own over the same blocks)."""
+        per_block = sum(self.kv_format.bytes_per_block(cfg.num_layers, self.config.block_size, cfg.num_kv_heads,
+                                                       cfg.head_dim) for cfg in (self.model_config, draft) if cfg)
         budget = self.config.kv_cache_memory_bytes
         if budget is None and self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -207,12 +217,12 @@ class LLMEngine:
     # ---- stepping -------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        started = time.perf_counter()  # a draft model's forwards run while scheduling: they are the step's too
         out = self.scheduler.schedule()
         if out.is_empty:
             if self.scheduler.waiting and not self.scheduler.running:
                 raise RuntimeError("no waiting request fits the free KV blocks and none is running")
             return []
-        started = time.perf_counter()
         sampled, prompt_logprobs = self.runner.execute(out)
         elapsed = time.perf_counter() - started
         self._record_prompt_logprobs(out, prompt_logprobs)

@@ -104,10 +104,8 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted:
-            self._schedule_waiting(out, budget)
-        if guessing := [c for c in out.chunks if c.max_guesses]:
-            for chunk, guesses in zip(guessing, self.proposer.propose(guessing), strict=True):
-                chunk.add_guesses(guesses)
+            budget = self._schedule_waiting(out, budget)
+        self._add_guesses(out, budget)
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -116,13 +114,10 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            guesses = self._max_guesses(seq, budget) if n == 1 else 0
-            if guesses and not self.kv.allocate_slots(seq, n + guesses):
-                guesses = 0  # guesses never cost another sequence its blocks
-            if not guesses and not self._make_room(seq, n, out):
+            if not self._make_room(seq, n, out):
                 continue  # `seq` itself was preempted
-            out.chunks.append(self._chunk(seq, n, guesses))
-            budget -= n + guesses
+            out.chunks.append(self._chunk(seq, n))
+            budget -= n
             i += 1
         return budget
 
@@ -137,6 +132,22 @@ class Scheduler:
                 return False
         return True
 
+    def _add_guesses(self, out: SchedulerOutput, budget: int) -> None:
+        """Guesses for the step's decoding sequences out of what it leaves: the budget after every sequence's own
+        tokens, and free blocks only, so that guessing never costs another sequence its blocks or a prefill its
+        turn. The proposer is asked once, for all of them."""
+        guessing = []
+        for chunk in out.chunks:
+            seq = chunk.seq
+            if budget > 0 and chunk.num_tokens == 1 and chunk.sample and (k := self._max_guesses(seq, budget)) \
+                    and self.kv.allocate_slots(seq, 1 + k):
+                chunk.max_guesses, chunk.block_table = k, self.kv.block_table(seq)
+                guessing.append(chunk)
+                budget -= k
+        if guessing:
+            for chunk, guesses in zip(guessing, self.proposer.propose(guessing), strict=True):
+                chunk.add_guesses(guesses)
+
     def _max_guesses(self, seq: Sequence, budget: int) -> int:
         """How many guesses a decoding sequence may get: what the proposer would give it, no more than the step's
         budget, its max_tokens and the model's length leave room for after the token the step samples anyway;
@@ -146,7 +157,7 @@ class Scheduler:
         room = min(budget, seq.params.max_tokens - seq.num_output_tokens, self.config.max_model_len - seq.num_tokens)
         return self.proposer.max_guesses(seq, room - 1)
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
         self.waiting.sort(key=self._waiting_key)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
@@ -165,11 +176,11 @@ class Scheduler:
             self.running.append(seq)
             out.chunks.append(self._chunk(seq, n))
             budget -= n
+        return budget
 
-    def _chunk(self, seq: Sequence, n: int, max_guesses: int = 0) -> ScheduledChunk:
+    def _chunk(self, seq: Sequence, n: int) -> ScheduledChunk:
         start = seq.num_computed_tokens
-        return ScheduledChunk(seq, start, n, self.kv.block_table(seq), sample=start + n == seq.num_tokens,
-                              max_guesses=max_guesses)
+        return ScheduledChunk(seq, start, n, self.kv.block_table(seq), sample=start + n == seq.num_tokens)
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv.free(seq)

@@ -223,3 +223,15 @@ def test_a_draft_caches_tokens_count_only_up_to_the_kept_guesses():
     assert out.chunks[0].guesses == [1, 2, 3] and seq.num_draft_computed_tokens == 13
     sched.update(out, {1: [1, 9]}, eos_token_ids=frozenset())  # one guess kept, then the model's own token
     assert seq.token_ids[-2:] == [1, 9] and seq.num_computed_tokens == seq.num_draft_computed_tokens == 12
+
+
+def test_guesses_take_only_blocks_no_sequence_needs_for_its_own_token():
+    # 5 blocks of 4: after the prompts (7 and 8 tokens) one is free, and the second sequence's next token needs it.
+    sched = Scheduler(SchedulerConfig(), KVCacheManager(5, 4, False), FixedGuesses([1, 2, 3]))
+    first, second = make_seq(1, 7, max_tokens=20), make_seq(2, 8, max_tokens=20)
+    sched.add(first)
+    sched.add(second)
+    step(sched)
+    out = sched.schedule()
+    assert not out.preempted and [c.seq.seq_id for c in out.chunks] == [1, 2]
+    assert out.chunks[0].guesses == []  # the free block went to the second sequence's token (and its guesses)

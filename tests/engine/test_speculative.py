@@ -24,12 +24,12 @@ MIXED_PARAMS = [SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, 
                 for i in range(len(MIXED))]
 
 
-def _crowded(plain: LLM) -> dict:
+def _crowded(plain: LLM, caches: int = 1) -> dict:
     """Engine settings under which MIXED runs in 24-token steps (chunked prefill) over 16 blocks of 16 tokens,
-    where its 8 sequences preempt one another."""
+    where its 8 sequences preempt one another (`caches`: 2 when a draft as large as the model has its own)."""
     cfg, kv_format = plain.engine.model_config, plain.engine.kv_format
     block = kv_format.bytes_per_block(cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim)
-    return {"max_num_batched_tokens": 24, "max_model_len": 256, "kv_cache_memory_bytes": 16 * block}
+    return {"max_num_batched_tokens": 24, "max_model_len": 256, "kv_cache_memory_bytes": 16 * block * caches}
 
 
 def _seq(tokens: list[int], **params) -> Sequence:
@@ -308,7 +308,7 @@ def test_a_draft_model_with_its_own_cache_keeps_up_through_preemption_prefix_cac
     plain = LLM(model, dtype="float32")
     want = [[c.token_ids for c in o.outputs] for o in plain.generate(MIXED, MIXED_PARAMS)]
     draft = {"method": "draft", "model": model, "num_speculative_tokens": 3, "disable_by_batch_size": 8}
-    fast = LLM(model, dtype="float32", speculative=draft, **_crowded(plain))
+    fast = LLM(model, dtype="float32", speculative=draft, **_crowded(plain, caches=2))
     assert [[c.token_ids for c in o.outputs] for o in fast.generate(MIXED, MIXED_PARAMS)] == want
     stats = fast.engine.stats()
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
@@ -335,3 +335,15 @@ def test_a_draft_model_with_another_vocabulary_or_without_a_model_is_refused(mak
         LLM(model, dtype="float32", speculative={"method": "draft", "num_speculative_tokens": 3})
     with pytest.raises(ValueError, match="draft model"):
         LLM(model, dtype="float32", speculative={"method": "ngram", "model": other, "num_speculative_tokens": 3})
+
+
+def test_a_draft_models_own_cache_comes_out_of_the_kv_cache_budget(make_checkpoint):
+    model, small = str(make_checkpoint("llama")), str(make_checkpoint("llama", num_hidden_layers=1))
+    budget = 4 << 20
+    plain = LLM(model, dtype="float32", kv_cache_memory_bytes=budget).engine
+    fast = LLM(model, dtype="float32", kv_cache_memory_bytes=budget,
+               speculative={"method": "draft", "model": small, "num_speculative_tokens": 3}).engine
+    cfg = plain.model_config
+    per_block = plain.kv_format.bytes_per_block(cfg.num_layers, plain.block_size, cfg.num_kv_heads, cfg.head_dim)
+    # The 1-layer draft's keys and values are half the 2-layer target's: a third of the budget.
+    assert fast.kv.pool.num_blocks == budget // (per_block * 3 // 2) < plain.kv.pool.num_blocks
