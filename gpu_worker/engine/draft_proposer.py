@@ -10,7 +10,8 @@ step overwrites before anything reads them.
 A separate draft model has a KV cache of its own, indexed by the target's block tables (same blocks, same
 slots). It first computes the tokens it has not seen (`Sequence.num_draft_computed_tokens` up to the last one:
 the whole prompt the first time, the kept guesses and the model's token after a step), in the same forward as
-the other sequences' draft steps.
+the other sequences' draft steps; a sequence further behind than a step's token budget catches up by that many
+tokens a step, without guesses, as the target's chunked prefill does.
 
 Each draft token is sampled as the target samples (the request's penalties, temperature and filters, and the
 uniform of that output position): where the two distributions are close, the same uniform picks the same token,
@@ -28,22 +29,36 @@ from .speculative import Proposer, SpeculativeConfig
 
 
 class DraftModelProposer(Proposer):
-    def __init__(self, config: SpeculativeConfig, runner: ModelRunner, shares_target_cache: bool):
+    def __init__(self, config: SpeculativeConfig, runner: ModelRunner, shares_target_cache: bool,
+                 max_catch_up_tokens: int):
         super().__init__(config.num_speculative_tokens, config.disable_by_batch_size)
         self.runner, self.shares_target_cache = runner, shares_target_cache
+        self.max_catch_up_tokens = max_catch_up_tokens
 
     def propose(self, chunks: list[ScheduledChunk]) -> list[list[int]]:
         guesses: list[list[int]] = [[] for _ in chunks]
+        behind = {i for i, c in enumerate(chunks) if self._unseen(c) > self.max_catch_up_tokens}
+        catch_up = [ScheduledChunk(_with_guesses(chunks[i].seq, []), chunks[i].seq.num_draft_computed_tokens,
+                                   self.max_catch_up_tokens, chunks[i].block_table, sample=False) for i in behind]
         for step in range(max(c.max_guesses for c in chunks)):
-            active = [i for i, c in enumerate(chunks) if c.max_guesses > step]
+            active = [i for i, c in enumerate(chunks) if c.max_guesses > step and i not in behind]
             drafts = [self._draft_chunk(chunks[i], guesses[i]) for i in active]
-            sampled, _ = self.runner.execute(SchedulerOutput(drafts))
+            if not drafts and not catch_up:
+                break
+            sampled, _ = self.runner.execute(SchedulerOutput(drafts + catch_up))  # catching up: first step only
+            catch_up = []
             for i, draft in zip(active, drafts, strict=True):
                 guesses[i].append(sampled[draft.seq.seq_id][0].token_id)
         if not self.shares_target_cache:
-            for chunk in chunks:  # its KV now covers the last token and every guess but the last
-                chunk.seq.num_draft_computed_tokens = chunk.start + chunk.max_guesses
+            for i, chunk in enumerate(chunks):  # its KV now covers the last token and every guess but the last
+                seq = chunk.seq
+                seq.num_draft_computed_tokens = (seq.num_draft_computed_tokens + self.max_catch_up_tokens
+                                                 if i in behind else chunk.start + chunk.max_guesses)
         return guesses
+
+    def _unseen(self, chunk: ScheduledChunk) -> int:
+        """Tokens up to and including the chunk's last that the draft has no KV for."""
+        return 0 if self.shares_target_cache else chunk.start + 1 - chunk.seq.num_draft_computed_tokens
 
     def _draft_chunk(self, chunk: ScheduledChunk, guesses: list[int]) -> ScheduledChunk:
         """The draft's tokens for `chunk` this draft step: its last token (with a cache of its own, from the

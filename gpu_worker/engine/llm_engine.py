@@ -128,12 +128,12 @@ class LLMEngine:
             return NgramProposer(config)
         if config.method != "draft":  # a self-draft reads the target's own cache
             runner = ModelRunner(draft, self.runner.kv_caches, self.kv.block_size, self.device)
-            return DraftModelProposer(config, runner, shares_target_cache=True)
+            return DraftModelProposer(config, runner, shares_target_cache=True, max_catch_up_tokens=0)
         cfg = draft.config
         caches = self.kv_format.allocate(cfg.num_layers, self.kv.pool.num_blocks, self.kv.block_size,
                                          cfg.num_kv_heads, cfg.head_dim, self.device)
         return DraftModelProposer(config, ModelRunner(draft, caches, self.kv.block_size, self.device),
-                                  shares_target_cache=False)
+                                  shares_target_cache=False, max_catch_up_tokens=self.config.max_num_batched_tokens)
 
     def _num_blocks(self, draft: ModelConfig | None) -> int:
         """As many blocks as the budget holds, each with the target's keys and values (and a draft model's, when
