@@ -71,6 +71,8 @@ class LedgerRollup(Base):
     prompt_tokens: Mapped[int] = mapped_column(BigInteger)
     cached_tokens: Mapped[int] = mapped_column(BigInteger)
     completion_tokens: Mapped[int] = mapped_column(BigInteger)
+    draft_tokens: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    accepted_draft_tokens: Mapped[int] = mapped_column(BigInteger, server_default="0")
     list_cost_usd: Mapped[Decimal] = mapped_column(Money)
     measured_cost_usd: Mapped[Decimal] = mapped_column(Money)
     sla_met: Mapped[int] = mapped_column(Integer)

@@ -31,8 +31,8 @@ DAY = SPAN["day"]
 KEY = ("period", "bucket_start", "tenant", "model")
 FIGURES = [c.name for c in LedgerRollup.__table__.columns if c.name not in (*KEY, "raw_pruned")]
 READ = (LedgerRow.finished_at, LedgerRow.tenant, LedgerRow.model, LedgerRow.status, LedgerRow.prompt_tokens,
-        LedgerRow.cached_tokens, LedgerRow.completion_tokens, LedgerRow.list_cost_usd, LedgerRow.measured_cost_usd,
-        LedgerRow.sla_met, LedgerRow.ttft_s, LedgerRow.tpot_s)
+        LedgerRow.cached_tokens, LedgerRow.completion_tokens, LedgerRow.draft_tokens, LedgerRow.accepted_draft_tokens,
+        LedgerRow.list_cost_usd, LedgerRow.measured_cost_usd, LedgerRow.sla_met, LedgerRow.ttft_s, LedgerRow.tpot_s)
 
 
 def floor(moment: datetime, period: Period) -> datetime:
@@ -55,6 +55,8 @@ class _Group:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
     list_cost_usd: Decimal = Decimal(0)
     measured_cost_usd: Decimal = Decimal(0)
     sla_met: int = 0
@@ -66,6 +68,8 @@ class _Group:
         self.prompt_tokens += row.prompt_tokens
         self.cached_tokens += row.cached_tokens
         self.completion_tokens += row.completion_tokens
+        self.draft_tokens += row.draft_tokens
+        self.accepted_draft_tokens += row.accepted_draft_tokens
         self.list_cost_usd += row.list_cost_usd
         self.measured_cost_usd += row.measured_cost_usd
         self.sla_met += bool(row.sla_met)
@@ -79,6 +83,7 @@ class _Group:
         return {
             "tasks": self.tasks, "ok_tasks": self.ok_tasks, "prompt_tokens": self.prompt_tokens,
             "cached_tokens": self.cached_tokens, "completion_tokens": self.completion_tokens,
+            "draft_tokens": self.draft_tokens, "accepted_draft_tokens": self.accepted_draft_tokens,
             "list_cost_usd": self.list_cost_usd, "measured_cost_usd": self.measured_cost_usd,
             "sla_met": self.sla_met, "attainment": attained.share, "goodput": attained.goodput,
             **{f"ttft_{p}_s": value for p, value in percentiles(self.ttfts).items()},

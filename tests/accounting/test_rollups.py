@@ -29,11 +29,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _row(finished_at: datetime, tenant: str = "acme", model: str = "m1", status: str = "ok", ttft: float = 0.2,
          tpot: float = 0.02, tokens: tuple[int, int, int] = (100, 0, 10), costs: tuple[str, str] = ("0.001", "0.0005"),
-         met: bool = True) -> dict:
+         met: bool = True, drafts: tuple[int, int] = (0, 0)) -> dict:
     prompt, cached, completion = tokens
     return {"request_id": uuid.uuid4().hex, "tenant": tenant, "api_key_id": None, "model": model, "tier": None,
             "worker_id": None, "worker_class": None, "routing_reason": None, "cache_result": "none",
             "prompt_tokens": prompt, "cached_tokens": cached, "completion_tokens": completion, "queue_s": 0.0,
+            "draft_tokens": drafts[0], "accepted_draft_tokens": drafts[1],
             "ttft_s": ttft, "tpot_s": tpot, "e2e_s": 1.0, "gpu_seconds": 0.1, "list_cost_usd": Decimal(costs[0]),
             "measured_cost_usd": Decimal(costs[1]), "sla_class": "interactive", "sla_met": met and status == "ok",
             "status": status, "enqueued_at": finished_at - timedelta(seconds=1), "finished_at": finished_at}
@@ -57,8 +58,10 @@ def _crafted(engine) -> None:
     """acme/m1 in HOUR: four ok tasks (three meet the SLA) and a failed one; one more in the next hour; beta/m1 once."""
     at = lambda minute: HOUR + timedelta(minutes=minute)
     ledger.record(engine, [
-        _row(at(5), ttft=0.1, tpot=0.01, tokens=(100, 10, 1), costs=("0.000123456789", "0.000000000001")),
-        _row(at(10), ttft=0.4, tpot=0.04, tokens=(200, 20, 2), costs=("0.000200000000", "0.000000000002"), met=False),
+        _row(at(5), ttft=0.1, tpot=0.01, tokens=(100, 10, 1), costs=("0.000123456789", "0.000000000001"),
+             drafts=(8, 5)),
+        _row(at(10), ttft=0.4, tpot=0.04, tokens=(200, 20, 2), costs=("0.000200000000", "0.000000000002"), met=False,
+             drafts=(4, 1)),
         _row(at(15), ttft=0.2, tpot=0.02, tokens=(300, 30, 3), costs=("0.000300000000", "0.000000000003")),
         _row(at(20), ttft=0.3, tpot=0.03, tokens=(400, 40, 4), costs=("0.000400000000", "0.000000000004")),
         _row(at(25), status="error", ttft=9.0, tpot=9.0, tokens=(500, 0, 0), costs=("0.000500000000", "0")),
@@ -77,6 +80,7 @@ def test_rollup_figures_are_the_sums_attainment_goodput_and_percentiles_of_the_r
     acme = hours["hour", HOUR, "acme", "m1"]
     assert (acme["tasks"], acme["ok_tasks"], acme["sla_met"]) == (5, 4, 3)
     assert (acme["prompt_tokens"], acme["cached_tokens"], acme["completion_tokens"]) == (1500, 100, 10)
+    assert (acme["draft_tokens"], acme["accepted_draft_tokens"]) == (12, 6)
     assert acme["list_cost_usd"] == Decimal("0.001523456789")  # exact, on SQLite too
     assert acme["measured_cost_usd"] == Decimal("0.000000000010")
     assert acme["attainment"] == pytest.approx(3 / 5) and acme["goodput"] == pytest.approx(3 / 3600)

@@ -14,12 +14,14 @@ depends_on = None
 
 
 def upgrade() -> None:
-    with op.batch_alter_table("ledger") as batch:  # SQLite alters a table by copying it
-        batch.add_column(sa.Column("draft_tokens", sa.Integer(), nullable=False, server_default="0"))
-        batch.add_column(sa.Column("accepted_draft_tokens", sa.Integer(), nullable=False, server_default="0"))
+    for table, counts in (("ledger", sa.Integer), ("ledger_rollups", sa.BigInteger)):
+        with op.batch_alter_table(table) as batch:  # SQLite alters a table by copying it
+            batch.add_column(sa.Column("draft_tokens", counts(), nullable=False, server_default="0"))
+            batch.add_column(sa.Column("accepted_draft_tokens", counts(), nullable=False, server_default="0"))
 
 
 def downgrade() -> None:
-    with op.batch_alter_table("ledger") as batch:
-        batch.drop_column("accepted_draft_tokens")
-        batch.drop_column("draft_tokens")
+    for table in ("ledger", "ledger_rollups"):
+        with op.batch_alter_table(table) as batch:
+            batch.drop_column("accepted_draft_tokens")
+            batch.drop_column("draft_tokens")
