@@ -15,6 +15,7 @@ import os
 import random
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -53,6 +54,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests/s, Poisson arrivals; inf: all at once")
     p.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
     p.add_argument("--input-len", type=int, default=64, help="prompt length in words (about one token each)")
+    p.add_argument("--prompt-file", default=None, help="prompts from a JSON file instead of random words: a list, "
+                   "or named lists with PATH:NAME picking one (e.g. bench/data/spec_prompts.json:quote), in turn")
     p.add_argument("--output-len", type=int, default=16, help="max_tokens of each request (temperature 0)")
     p.add_argument("--slo", type=_slo_arg, default={},
                    help="goodput SLOs in ms, e.g. ttft_ms=200,tpot_ms=50,e2e_ms=2000")
@@ -98,6 +101,23 @@ def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
 def synthetic_prompts(n: int, length: int, seed: int = 0) -> list[str]:
     rng = random.Random(seed)
     return [" ".join(rng.choices(VOCABULARY, k=length)) for _ in range(n)]
+
+
+def file_prompts(spec: str, n: int, skip: int = 0) -> list[str]:
+    """`n` prompts from `PATH` (a JSON list) or `PATH:NAME` (one list of a JSON object), taken in turn from the
+    `skip`-th on and starting over at the end."""
+    path, _, name = spec.partition(":")
+    prompts = json.loads(Path(path).read_text())
+    prompts = prompts[name] if name else prompts
+    if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
+        raise SystemExit(f"--prompt-file {spec}: not a non-empty list of prompts")
+    return [prompts[(skip + i) % len(prompts)] for i in range(n)]
+
+
+def _prompts(args: argparse.Namespace, n: int, warmup: bool = False) -> list[str]:
+    if args.prompt_file:
+        return file_prompts(args.prompt_file, n, skip=args.num_prompts if warmup else 0)
+    return synthetic_prompts(n, args.input_len, args.seed + warmup)
 
 
 def percentiles(values: list[float], ps: tuple[int, ...] = (50, 90, 99)) -> dict[str, float | None]:
@@ -240,7 +260,7 @@ async def run(args: argparse.Namespace) -> dict:
     import httpx
 
     slos = parse_slo(args.slo) if isinstance(args.slo, str) else dict(args.slo or {})
-    prompts = synthetic_prompts(args.num_prompts, args.input_len, args.seed)
+    prompts = _prompts(args, args.num_prompts)
     arrivals = poisson_arrivals(args.num_prompts, args.request_rate, args.seed)
     url = args.base_url.rstrip("/") + ("/chat/completions" if args.endpoint == "chat" else "/completions")
     gate = asyncio.Semaphore(args.max_concurrency or len(prompts) or 1)
@@ -253,7 +273,7 @@ async def run(args: argparse.Namespace) -> dict:
 
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=30.0), limits=limits) as client:
         # Warm-up, as vLLM's bench serve does: first requests pay one-time costs (connections, caches).
-        warmup = [one(client, prompt) for prompt in synthetic_prompts(args.warmup, args.input_len, args.seed + 1)]
+        warmup = [one(client, prompt) for prompt in _prompts(args, args.warmup, warmup=True)]
         await asyncio.gather(*warmup)
         start, tasks = time.perf_counter(), []
         for prompt, at in zip(prompts, arrivals, strict=True):
@@ -264,7 +284,7 @@ async def run(args: argparse.Namespace) -> dict:
     summary = summarize(results, duration, slos)
     summary["config"] = {k: getattr(args, k, None) for k in (
         "base_url", "model", "endpoint", "num_prompts", "request_rate", "max_concurrency", "input_len",
-        "output_len", "seed")}
+        "prompt_file", "output_len", "seed")}
     if math.isinf(args.request_rate):
         summary["config"]["request_rate"] = "inf"  # keep the JSON strict
     return summary

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # `bench serving` through the gateway, speculation off and on: two workers of SmolLM2 in one local stack
 # (`smol-plain`, and `smol-spec` with n-gram k=3), measured in alternating rounds so that both see the same
-# machine. Usage: bench/spec_serving.sh [output folder]; each round writes <model>-<round>.json there.
+# machine, on the quote-heavy prompts of bench spec. Usage: bench/spec_serving.sh [output folder]; each round
+# writes <model>-<round>.json there.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${1:-bench/results/spec-serving}
@@ -26,7 +27,7 @@ echo "models ready after $i s"
 for r in 1 2 3; do
   for m in $( [ $((r % 2)) -eq 1 ] && echo "smol-plain smol-spec" || echo "smol-spec smol-plain" ); do
     $TF bench serving --base-url http://127.0.0.1:8011/v1 --api-key "$KEY" --model $m --request-rate 0.5 \
-      --num-prompts 16 --input-len 64 --output-len 64 --warmup 2 --seed $r --json "$OUT/$m-$r.json" > "$OUT/$m-$r.log" 2>&1
+      --num-prompts 16 --prompt-file bench/data/spec_prompts.json:quote --output-len 128 --warmup 2 --seed $r --json "$OUT/$m-$r.json" > "$OUT/$m-$r.log" 2>&1
     echo "round $r $m rc=$?"
   done
 done

@@ -201,3 +201,15 @@ def test_run_from_args_prints_a_table_and_writes_the_same_figures_as_json(tmp_pa
     table = capsys.readouterr().out
     for row in ("request throughput", "goodput", "stack overhead", "| TTFT |", "| TPOT |", "| ITL |", "| E2E |"):
         assert row in table
+
+
+def test_prompts_from_a_file_come_in_turn_from_the_named_list_and_bad_files_are_refused(tmp_path):
+    sets = tmp_path / "prompts.json"
+    sets.write_text(json.dumps({"quote": ["a", "b", "c"], "chat": ["x"]}))
+    assert serving.file_prompts(f"{sets}:quote", 5) == ["a", "b", "c", "a", "b"]
+    assert serving.file_prompts(f"{sets}:quote", 2, skip=2) == ["c", "a"]  # the warm-up's, after the run's
+    listed = tmp_path / "list.json"
+    listed.write_text(json.dumps(["p", "q"]))
+    assert serving.file_prompts(str(listed), 3) == ["p", "q", "p"]
+    with pytest.raises(SystemExit, match="not a non-empty list"):
+        serving.file_prompts(str(sets), 1)  # named lists, none named
