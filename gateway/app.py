@@ -103,7 +103,7 @@ class Gateway:
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise RequestError(p.ErrorBody(message=f"could not parse the JSON body: {exc}")) from None
         req = parse(schema, body)
-        message = req.to_message(request.state.request_id, api_key.name)
+        message = req.to_message(request.state.request_id, api_key.name, api_key.prefix_scope)
         message.api_key_id = api_key.hash  # the ledger's key, and where a budget's settle charges
         message.cache_mode = cache_mode(req.cache, request.headers.get(CACHE_HEADER), api_key.cache_mode,
                                         self.default_cache_mode)

@@ -19,6 +19,11 @@ MAX_NAME = 128
 BudgetPeriod = Literal["day", "month", "total"]  # day and month are UTC calendar periods
 
 
+def prefix_scope(name: str, prefix_group: str | None) -> str:
+    """Whose cached KV prefixes a key's requests may reuse: its sharing group's, else only its tenant's."""
+    return f"group:{prefix_group}" if prefix_group else f"tenant:{name}"
+
+
 def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
@@ -35,6 +40,13 @@ class ApiKey:
     budget_period: BudgetPeriod = "month"
     admin: bool = False  # the finance API shows an admin every tenant's rows (a tenant's key: its own)
     sla_class: str | None = None  # for its requests that name none (the ledger judges each task by its class)
+    # Keys in one group share prefix-cache hits (an admin's choice, e.g. one product's system prompt across
+    # its keys); None: the key's tenant shares with nobody else.
+    prefix_group: str | None = None
+
+    @property
+    def prefix_scope(self) -> str:
+        return prefix_scope(self.name, self.prefix_group)
 
     @property
     def limited(self) -> bool:
@@ -45,7 +57,7 @@ class ApiKey:
 async def register_key(redis: aioredis.Redis, name: str, key: str | None = None,
                        cache_mode: p.CacheMode | None = None, *, rpm: int | None = None, tpm: int | None = None,
                        budget_usd: float | None = None, budget_period: BudgetPeriod = "month",
-                       admin: bool = False, sla_class: str | None = None) -> str:
+                       admin: bool = False, sla_class: str | None = None, prefix_group: str | None = None) -> str:
     """Stores the hash of `key` (a new random key when None) under `name`, with its limits; returns the key."""
     if not 0 < len(name) <= MAX_NAME:  # the ledger's tenant column
         raise ValueError(f"a key's name is 1 to {MAX_NAME} characters")
@@ -58,7 +70,7 @@ async def register_key(redis: aioredis.Redis, name: str, key: str | None = None,
     record = {"name": name, "created": int(time.time())} | ({"cache": cache_mode} if cache_mode else {}) \
         | {field: value for field, value in limits.items() if value is not None} \
         | ({"budget_period": budget_period} if budget_usd is not None else {}) | ({"admin": True} if admin else {}) \
-        | ({"sla_class": sla_class} if sla_class else {})
+        | ({"sla_class": sla_class} if sla_class else {}) | ({"prefix_group": prefix_group} if prefix_group else {})
     await redis.hset(p.API_KEYS_KEY, hash_key(key), json.dumps(record))
     return key
 
@@ -78,4 +90,4 @@ async def key_by_hash(redis: aioredis.Redis, digest: str) -> ApiKey | None:
     fields = json.loads(record)
     return ApiKey(digest, fields["name"], fields.get("cache"), fields.get("rpm"), fields.get("tpm"),
                   fields.get("budget_usd"), fields.get("budget_period", "month"), fields.get("admin") is True,
-                  fields.get("sla_class"))
+                  fields.get("sla_class"), fields.get("prefix_group"))

@@ -215,7 +215,8 @@ class Batches:
                  "failed_at": None, "expired_at": None, "cancelling_at": None, "cancelled_at": None,
                  "request_counts": {"total": int(file["lines"]), "completed": 0, "failed": 0},
                  "metadata": body.get("metadata"), "tenant": api_key.name,
-                 "key": {"name": api_key.name, "hash": api_key.hash, "cache_mode": api_key.cache_mode}}
+                 "key": {"name": api_key.name, "hash": api_key.hash, "cache_mode": api_key.cache_mode,
+                         "prefix_group": api_key.prefix_group}}
         key, index = p.batch_key(batch["id"]), p.batches_key(api_key.name)
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(key, mapping={name: json.dumps(value) for name, value in batch.items()})

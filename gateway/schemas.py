@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -80,6 +81,12 @@ class _Common(BaseModel):
             repetition_penalty=self.repetition_penalty, seed=self.seed, stop=self.stop or [],
             ignore_eos=self.ignore_eos, logprobs=logprobs)
 
+    def engine_salt(self, prefix_scope: str) -> str:
+        """The prefix cache's salt: the key's scope, then the client's own `cache_salt`, which narrows sharing
+        within the scope and can never reach another tenant's prefixes (the cached-tokens count and the
+        time to first token would tell a prober what another tenant's prompts begin with)."""
+        return json.dumps([prefix_scope, self.cache_salt])
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -101,13 +108,14 @@ class ChatCompletionRequest(_Common):
     def wants_logprobs(self) -> bool:
         return self.logprobs
 
-    def to_message(self, request_id: str, api_key_name: str | None) -> p.GenerateRequest:
+    def to_message(self, request_id: str, api_key_name: str, prefix_scope: str) -> p.GenerateRequest:
+        """`prefix_scope`: whose cached prefixes the request may reuse (`gateway.auth.prefix_scope`)."""
         max_tokens = self.max_completion_tokens or self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return p.GenerateRequest(request_id=request_id, kind="chat", model=self.model,
                                  messages=[m.as_template_input() for m in self.messages],
                                  sampling=self.sampling(max_tokens, logprobs), api_key_name=api_key_name,
-                                 user=self.user, cache_salt=self.cache_salt)
+                                 user=self.user, cache_salt=self.engine_salt(prefix_scope))
 
 
 class CompletionRequest(_Common):
@@ -127,10 +135,11 @@ class CompletionRequest(_Common):
     def wants_logprobs(self) -> bool:
         return self.logprobs is not None
 
-    def to_message(self, request_id: str, api_key_name: str | None) -> p.GenerateRequest:
+    def to_message(self, request_id: str, api_key_name: str, prefix_scope: str) -> p.GenerateRequest:
+        """As `ChatCompletionRequest.to_message`."""
         return p.GenerateRequest(request_id=request_id, kind="completion", model=self.model, prompt=self.prompt,
                                  sampling=self.sampling(self.max_tokens, self.logprobs), api_key_name=api_key_name,
-                                 user=self.user, cache_salt=self.cache_salt)
+                                 user=self.user, cache_salt=self.engine_salt(prefix_scope))
 
 
 CACHE_HEADER = "x-tokenfleet-cache"  # a request's cache mode (as the body's `cache`); a response's cache answer

@@ -146,7 +146,7 @@ def _keys_create(args: argparse.Namespace) -> int:
         try:
             return await register_key(redis, args.name, cache_mode=args.cache, rpm=args.rpm, tpm=args.tpm,
                                       budget_usd=args.budget_usd, budget_period=args.budget_period,
-                                      admin=args.admin, sla_class=args.sla)
+                                      admin=args.admin, sla_class=args.sla, prefix_group=args.prefix_group)
         finally:
             await redis.aclose()
 
@@ -219,6 +219,8 @@ def _add_service_commands(sub) -> None:
     create.add_argument("--budget-period", choices=["day", "month", "total"], default="month",
                         help="the budget's period: a UTC day or month, or the key's lifetime")
     create.add_argument("--sla", default=None, help="SLA class of its requests that name none (e.g. batch)")
+    create.add_argument("--prefix-group", default=None,
+                        help="keys with the same group share prefix-cache hits (default: only the key's own name)")
     create.add_argument("--admin", action="store_true",
                         help="the finance API shows this key every tenant's ledger (others: their own)")
     create.set_defaults(func=_keys_create)

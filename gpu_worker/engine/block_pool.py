@@ -1,9 +1,8 @@
 """Fixed pool of KV-cache block ids with reference counts and a prefix cache (integers only, no tensors).
 
-A full block can be registered under its `BlockKey`: (hash of the parent block's key, its token ids), a
-chain that identifies the whole prefix up to it. A freed block keeps its key and waits in the free list,
-oldest first, until a later request with the same prefix takes it back (`share`) or the pool needs room
-(`allocate` evicts it). The dict lookup compares the stored key itself, so a hit is checked token by token.
+A full block can be registered under its `BlockKey` (block_hash.py: a SHA-256 chain over every token up to
+it). A freed block keeps its key and waits in the free list, oldest first, until a later request with the
+same prefix takes it back (`share`) or the pool needs room (`allocate` evicts it).
 """
 
 from __future__ import annotations
@@ -11,7 +10,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
-from .block_hash import BlockKey
+from .block_hash import BlockKey, block_id
 
 
 class KVEventLog:
@@ -31,7 +30,7 @@ class KVEventLog:
             if len(self._events) >= self.max_events:
                 self._events.clear()
                 self._overflowed = True
-            self._events.append((added, hash(key)))
+            self._events.append((added, block_id(key)))
 
     def drain(self) -> tuple[list[tuple[bool, int]], bool]:
         """(events in order, whether some were lost since the last drain)."""
@@ -110,4 +109,4 @@ class BlockPool:
 
     def cached_hashes(self) -> list[int]:
         """Every block hash the cache holds now: a full resend after `events` overflowed."""
-        return [hash(key) for key in list(self._cached)]  # list(): one step under the GIL, safe beside a step
+        return [block_id(key) for key in list(self._cached)]  # list(): one step under the GIL, safe beside a step

@@ -22,7 +22,7 @@ import time
 import redis.asyncio as aioredis
 
 from gateway.admission import Admission
-from gateway.auth import key_by_hash
+from gateway.auth import key_by_hash, prefix_scope
 from gateway.batches import ACTIVE, BatchLine, load_batch, load_file, read_lines, request_counts, store_file, transition
 from gateway.budgets import Budgets, Estimator
 from gateway.render import ResponseBuilder
@@ -126,7 +126,7 @@ class BatchJob:
         line that does not fit fails with insufficient_quota); its per-minute rate limits, which pace
         interactive traffic, do not."""
         req = line.request()
-        message = req.to_message(rid, key["name"])
+        message = req.to_message(rid, key["name"], prefix_scope(key["name"], key.get("prefix_group")))
         message.api_key_id = key["hash"]
         message.cache_mode = cache_mode(req.cache, None, key["cache_mode"], self.default_cache_mode)
         message.sla_class, message.priority = BATCH_SLA_CLASS, p.BATCH_PRIORITY

@@ -132,12 +132,28 @@ def test_a_salted_prompt_hashes_to_other_blocks():
     assert block_hashes(list(range(8)), BS, "tenant-a") == block_hashes(list(range(8)), BS, "tenant-a")
 
 
+def test_prefixes_whose_python_hashes_collide_get_different_block_ids():
+    # 1 and 2**61 hash equally in CPython (ints hash modulo 2**61 - 1): a chain through Python's 64-bit
+    # hash gave these prompts the same ids, so the prefix directory credited one with the other's blocks.
+    assert hash((0, (1, 2, 3, 4))) == hash((0, (2**61, 2, 3, 4)))
+    from gpu_worker.engine.block_hash import block_hashes
+
+    first, second = block_hashes([1, 2, 3, 4, 5, 6, 7, 8], BS), block_hashes([2**61, 2, 3, 4, 5, 6, 7, 8], BS)
+    assert first[0] != second[0] and first[1] != second[1]
+
+
+def test_prefixes_whose_python_hashes_collide_share_no_block():
+    kv = KVCacheManager(num_blocks=16, block_size=BS)
+    _run_prefill(kv, _seq(1, [1, 2, 3, 4] + [5, 6, 7, 8] + [9]))
+    assert _run_prefill(kv, _seq(2, [2**61, 2, 3, 4] + [5, 6, 7, 8] + [9])) == 0
+
+
 def test_an_event_log_nobody_drains_stays_bounded_and_says_it_overflowed():
     from gpu_worker.engine.block_pool import KVEventLog
 
     log = KVEventLog(max_events=4)
     for i in range(6):
-        log.record(True, (0, (i,)))
+        log.record(True, bytes([i]) * 32)
     events, overflowed = log.drain()
     assert overflowed and len(events) <= 4
     assert log.drain() == ([], False)

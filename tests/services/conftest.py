@@ -3,6 +3,7 @@ and two workers of the small built-in model as separate processes, as `tokenflee
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import subprocess
@@ -68,6 +69,20 @@ class Stack:
 
     def client(self, base: str | None = None, **kwargs) -> openai.OpenAI:
         return openai.OpenAI(base_url=(base or self.url) + "/v1", api_key=API_KEY, **kwargs)
+
+    def key_client(self, name: str, **key_fields) -> openai.OpenAI:
+        """A client with a new API key of tenant `name` (`register_key`'s limits and options as keywords)."""
+        from gateway.auth import register_key
+        from services.redis_client import connect
+
+        async def create() -> str:
+            redis = connect(self.redis_url)
+            try:
+                return await register_key(redis, name, **key_fields)
+            finally:
+                await redis.aclose()
+
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=asyncio.run(create()))
 
     def redis(self) -> sync_redis.Redis:
         return sync_redis.Redis.from_url(self.redis_url, decode_responses=True)

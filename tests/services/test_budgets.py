@@ -228,7 +228,7 @@ def _body(content: str = "Say something.", max_tokens: int = 4) -> dict:
 
 def _estimate(stack, body: dict) -> Estimate:
     """What the gateway estimates for `body`: its estimator over the default table and the served model."""
-    message = parse(ChatCompletionRequest, body).to_message("estimate", None)
+    message = parse(ChatCompletionRequest, body).to_message("estimate", "tenant", "tenant:tenant")
     tiers = RouterSettings()
     return _run(stack.redis_url, lambda redis: Estimator(redis, PriceTable.load(), (
         tiers.small_model, tiers.large_model)).estimate(message))

@@ -4,14 +4,11 @@ completion event; misses for any difference; per tenant; opt-in per request or p
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 
 import openai
 import pytest
 
-from gateway.auth import register_key
-from services.redis_client import connect
 from tests.services.conftest import MODEL
 
 pytestmark = pytest.mark.usefixtures("stack")
@@ -26,17 +23,6 @@ def _ask(client: openai.OpenAI, content: str, **kwargs):
 
 def _unique(text: str) -> str:
     return f"{text} (case {uuid.uuid4().hex[:8]})"
-
-
-def _key(stack, name: str, cache_mode: str | None = None) -> openai.OpenAI:
-    async def create() -> str:
-        redis = connect(stack.redis_url)
-        try:
-            return await register_key(redis, name, cache_mode=cache_mode)
-        finally:
-            await redis.aclose()
-
-    return openai.OpenAI(base_url=stack.url + "/v1", api_key=asyncio.run(create()))
 
 
 def test_an_identical_deterministic_request_is_answered_from_the_exact_cache(stack):
@@ -82,7 +68,7 @@ def test_a_hit_streams_like_a_generated_response(stack):
 
 def test_another_tenant_never_receives_a_tenants_entry(stack):
     question = _unique("Summarize our Q3 plan.")
-    tenant_a, tenant_b = _key(stack, "tenant-a"), _key(stack, "tenant-b")
+    tenant_a, tenant_b = stack.key_client("tenant-a"), stack.key_client("tenant-b")
     _ask(tenant_a, question, extra_body={"cache": "exact"})
     assert _ask(tenant_a, question, extra_body={"cache": "exact"})[0] == "exact"
     assert _ask(tenant_b, question, extra_body={"cache": "exact"})[0] == "miss"
@@ -93,7 +79,7 @@ def test_the_cache_is_off_unless_the_request_or_its_key_asks(stack):
     client = stack.client()
     _ask(client, question)
     assert _ask(client, question)[0] is None  # neither asked: no lookup, no mark
-    opted_in = _key(stack, "tenant-exact", cache_mode="exact")
+    opted_in = stack.key_client("tenant-exact", cache_mode="exact")
     _ask(opted_in, question)
     assert _ask(opted_in, question)[0] == "exact"
     assert _ask(opted_in, question, extra_body={"cache": "off"})[0] is None
