@@ -12,11 +12,11 @@ from services import protocol as p
 from services.settings import GatewaySettings, RouterSettings
 
 # The codes of the refusals below: a request refused with one was never enqueued.
-REFUSALS = frozenset({"model_not_found", "no_worker", "queue_full"})
+REFUSALS = frozenset({"model_not_found", "no_worker", "queue_full", "invalid_value"})
 
 
 def inflight_key(model: str) -> str:
-    """Sorted set of the gateway's unfinished requests for a requested model, scored by enqueue time."""
+    """Sorted set of the gateway's unfinished requests that may run on a served model, scored by enqueue time."""
     return f"{p.PREFIX}:inflight:{model}"
 
 
@@ -28,35 +28,63 @@ async def alive_workers(redis: aioredis.Redis, model: str) -> int:
     return await redis.zcount(p.workers_key(model), time.time(), "+inf")
 
 
+# Every candidate's in-flight set pruned of what a crashed gateway left, counted, and the request added to them
+# all, or to none when one is full: one step, so parallel admissions (and several gateways) cannot overfill a
+# queue. Returns 0, or 1 + the index of the full set followed by its depth.
+_ADMIT = """
+for i, key in ipairs(KEYS) do
+  redis.call('ZREMRANGEBYSCORE', key, '-inf', ARGV[2])
+  local depth = redis.call('ZCARD', key)
+  if depth >= tonumber(ARGV[3]) then return {i, depth} end
+end
+for _, key in ipairs(KEYS) do redis.call('ZADD', key, ARGV[1], ARGV[4]) end
+return {0, 0}
+"""
+
+
 class Admission:
     def __init__(self, redis: aioredis.Redis, settings: GatewaySettings, tiers: RouterSettings):
         self.redis, self.settings = redis, settings
         self.tiers = (tiers.small_model, tiers.large_model)
+        self._admit = redis.register_script(_ADMIT)
 
-    async def admit(self, model: str, request_id: str) -> None:
-        """Raises `RequestError` (404, 503 or 429 with Retry-After); else counts the request in flight.
-        One round trip reads everything the decision needs; a second records the admission."""
-        candidates = list(self.tiers) if model == p.AUTO_MODEL else [model]
-        key, now = inflight_key(model), time.time()
+    def _candidates(self, model: str) -> list[str]:
+        """The served models a request for `model` may run on: model="auto" may land on either tier, so it
+        counts against both tiers' queues (one model's queue is one bound, whatever the requests named)."""
+        return list(dict.fromkeys(self.tiers)) if model == p.AUTO_MODEL else [model]
+
+    async def admit(self, model: str, request_id: str, max_tokens: int | None = None) -> None:
+        """Raises `RequestError` (400, 404, 503 or 429 with Retry-After); else counts the request in flight.
+        One round trip reads the served models and live workers; a script admits against the queue depth."""
+        candidates, now = self._candidates(model), time.time()
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.hgetall(p.MODELS_KEY)
             for candidate in candidates:
                 pipe.zcount(p.workers_key(candidate), now, "+inf")
-            pipe.zremrangebyscore(key, "-inf", now - self.settings.request_timeout_s)  # left by a crashed gateway
-            pipe.zcard(key)
-            served, *alive, _, depth = await pipe.execute()
-        if not any(c in served for c in candidates):
+            raw, *alive = await pipe.execute()
+        served = {name: p.ModelInfo.model_validate_json(info) for name, info in raw.items() if name in candidates}
+        if not served:
             raise RequestError(p.ErrorBody(message=f"The model '{model}' does not exist", param="model",
                                            code="model_not_found", status=404))
+        longest = max(info.max_model_len for info in served.values())
+        if max_tokens is not None and max_tokens >= longest:  # at least one prompt token must fit beside it
+            raise RequestError(p.ErrorBody(message=f"max_tokens is too large: {max_tokens}. The model '{model}' has "
+                                                   f"a context of {longest} tokens, prompt included",
+                                           param="max_tokens", code="invalid_value"))
         if not any(n for c, n in zip(candidates, alive, strict=True) if c in served):
             raise self._refusal(503, f"no worker of model '{model}' is alive; retry shortly", "no_worker")
-        if depth >= self.settings.max_queue_depth:
-            raise self._refusal(429, f"model '{model}' has {depth} requests in flight (limit "
+        full, depth = await self._admit(keys=[inflight_key(c) for c in candidates],
+                                        args=[now, now - self.settings.request_timeout_s,
+                                              self.settings.max_queue_depth, request_id])
+        if full:
+            raise self._refusal(429, f"model '{candidates[full - 1]}' has {depth} requests in flight (limit "
                                      f"{self.settings.max_queue_depth}); retry later", "queue_full")
-        await self.redis.zadd(key, {request_id: now})
 
     async def release(self, model: str, request_id: str) -> None:
-        await self.redis.zrem(inflight_key(model), request_id)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for candidate in self._candidates(model):
+                pipe.zrem(inflight_key(candidate), request_id)
+            await pipe.execute()
 
     def _refusal(self, status: int, message: str, code: str) -> RequestError:
         kind = "rate_limit_error" if status == 429 else "server_error"

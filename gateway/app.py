@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 import uuid
 from collections.abc import Awaitable, Callable
 
 import redis.asyncio as aioredis
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from opentelemetry.trace import SpanKind
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
@@ -19,10 +19,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway.admission import REFUSALS, Admission, alive_workers, served_models
 from gateway.auth import ApiKey, authenticate, register_key
-from gateway.batches import Batches
+from gateway.batches import MAX_FILE_BYTES, Batches
 from gateway.budgets import Budgets, Estimator
 from gateway.idempotency import Idempotency
 from gateway.relay import Relay
+from gateway.request_body import BodyLimit, load_json
 from gateway.schemas import CACHE_HEADER, ChatCompletionRequest, CompletionRequest, RequestError, cache_mode, parse
 from services import protocol as p
 from services import telemetry
@@ -81,7 +82,8 @@ class Gateway:
         self.idempotency = Idempotency(redis, settings.idempotency_ttl_s)
         self.relay = Relay(redis, Admission(redis, settings, tiers), self.idempotency, settings, stream_settings)
         prices = prices or PriceTable.load()
-        self.budgets = Budgets(redis, Estimator(redis, prices, (tiers.small_model, tiers.large_model)))
+        self.budgets = Budgets(redis, Estimator(redis, prices, (tiers.small_model, tiers.large_model)),
+                               settings.request_timeout_s)
         self.metrics = GatewayMetrics()
 
     async def register_dev_key(self) -> None:
@@ -98,11 +100,7 @@ class Gateway:
 
     async def generate(self, request: Request, schema) -> Response:
         api_key = await self.authenticated(request)
-        try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise RequestError(p.ErrorBody(message=f"could not parse the JSON body: {exc}")) from None
-        req = parse(schema, body)
+        req = parse(schema, load_json(await request.body()))
         message = req.to_message(request.state.request_id, api_key.name, api_key.prefix_scope)
         message.api_key_id = api_key.hash  # the ledger's key, and where a budget's settle charges
         message.cache_mode = cache_mode(req.cache, request.headers.get(CACHE_HEADER), api_key.cache_mode,
@@ -199,6 +197,13 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
     return _error_response(p.ErrorBody(message=str(exc.detail), status=exc.status_code, type=kind))
 
 
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    """FastAPI's own 422 (a query or path parameter of the wrong type) as OpenAI's 400 naming it."""
+    first = exc.errors()[0]
+    param = ".".join(str(part) for part in first["loc"][1:]) or None  # loc starts with "query" / "path"
+    return _error_response(p.ErrorBody(message=f"{param}: {first['msg']}", param=param, code="invalid_value"))
+
+
 def create_app(redis: aioredis.Redis, settings: GatewaySettings, tiers: RouterSettings,
                stream_settings: StreamSettings, default_cache_mode: p.CacheMode = "off",
                prices: PriceTable | None = None, sla: SlaPolicy | None = None,
@@ -208,9 +213,12 @@ def create_app(redis: aioredis.Redis, settings: GatewaySettings, tiers: RouterSe
     that runs a new batch (gateway/batches.py `celery_submitter`); None: batches are recorded, never run."""
     gateway = Gateway(redis, settings, tiers, stream_settings, default_cache_mode, prices, sla)
     app = FastAPI(title="tokenfleet gateway", on_startup=[gateway.register_dev_key])
-    app.add_middleware(RequestStamp, metrics=gateway.metrics)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes,
+                       max_bytes_by_path={"/v1/files": MAX_FILE_BYTES + (1 << 20)})  # + the multipart envelope
+    app.add_middleware(RequestStamp, metrics=gateway.metrics)  # outermost: it counts the 413s too
     app.add_exception_handler(RequestError, _request_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_api_route("/v1/chat/completions", gateway.chat_completions, methods=["POST"])
     app.add_api_route("/v1/completions", gateway.completions, methods=["POST"])
     app.add_api_route("/v1/models", gateway.models, methods=["GET"])

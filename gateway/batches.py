@@ -15,17 +15,19 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
-from fastapi import Request
+from fastapi import Query, Request
 from fastapi.responses import Response
 from starlette.datastructures import UploadFile
 
 from gateway.auth import ApiKey
+from gateway.request_body import load_json
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, RequestError, parse
 from services import protocol as p
 
 ENDPOINTS = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest}
 COMPLETION_WINDOW_S = 24 * 3600
 MAX_FILE_BYTES = 100 << 20  # a file lives in one Redis value
+MAX_FILE_LINES = 50_000  # requests in one batch, as OpenAI allows
 ACTIVE = ("validating", "in_progress")
 # A compare-and-set on a batch's status: the job and a cancel write the same record from two processes.
 _TRANSITION = """
@@ -60,10 +62,7 @@ class BatchLine:
 
 
 def _line(raw: str) -> BatchLine:
-    try:
-        obj = json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise _bad(f"not valid JSON ({exc})") from None
+    obj = load_json(raw)
     if not isinstance(obj, dict):
         raise _bad("not a JSON object")
     if not isinstance(obj.get("custom_id"), str) or not obj["custom_id"]:
@@ -86,6 +85,8 @@ def read_lines(content: bytes) -> list[BatchLine]:
         raise _bad("the file is not UTF-8 text", "file") from None
     lines, seen = [], set()
     for number, raw in enumerate(text.splitlines(), 1):
+        if len(lines) == MAX_FILE_LINES:
+            raise _bad(f"the file holds more than {MAX_FILE_LINES} requests", "file")
         if not raw.strip():
             continue
         try:
@@ -192,10 +193,7 @@ class Batches:
 
     async def create_batch(self, request: Request) -> dict:
         api_key = await self.authenticated(request)
-        try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise _bad(f"could not parse the JSON body: {exc}") from None
+        body = load_json(await request.body())
         if not isinstance(body, dict):
             raise _bad("the request body must be a JSON object")
         if not isinstance(body.get("endpoint"), str) or body["endpoint"] not in ENDPOINTS:
@@ -256,7 +254,8 @@ class Batches:
         await transition(self.redis, batch_id, ACTIVE, status="cancelling", cancelling_at=int(time.time()))
         return await self._view(await load_batch(self.redis, batch_id))
 
-    async def list_batches(self, request: Request, limit: int = 20, after: str | None = None) -> dict:
+    async def list_batches(self, request: Request, limit: int = Query(20, ge=1, le=100),
+                           after: str | None = Query(None, max_length=256)) -> dict:
         api_key = await self.authenticated(request)
         ids = [_text(i) for i in await self.redis.zrevrange(p.batches_key(api_key.name), 0, -1)]
         if after in ids:

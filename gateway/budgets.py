@@ -14,13 +14,15 @@ Redis, per key hash H:
   tf:budget:H:<period>:open     zset  request id -> sweep deadline           (same)
   tf:budget:res:<request id>    hash  key, period, amount, state             expires after RECORD_TTL_S
 A reservation never settled (its gateway or worker died, its event was lost) is swept lazily: the next
-admission of that key and period returns its amount once its deadline (RESERVATION_TTL_S) passed. Only an
-admission reads `reserved`, so sweeping there is enough and needs no background task. A settle that comes
-after the sweep still charges the actual cost (its record outlives the deadline).
+admission of that key and period returns its amount once its deadline (the request's timeout +
+RESERVATION_MARGIN_S) passed. Only an admission reads `reserved`, so sweeping there is enough and needs no
+background task. A settle that comes after the sweep still charges the actual cost (its record outlives the
+deadline).
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import math
 import time
@@ -38,8 +40,10 @@ from services.accounting.prices import PriceTable
 
 UNITS_PER_USD = 1_000_000_000
 WINDOW_S = 60
-RESERVATION_TTL_S = 86_400  # no request runs for a day (the gateway times out after 10 minutes)
-RECORD_TTL_S = 2 * RESERVATION_TTL_S  # a late settle still finds where to charge
+# A reservation is held for its request's timeout plus this (the queue, and the accounting service's lag in
+# settling it); a request that outlives its hold, or whose end nobody reported, holds no budget past it.
+RESERVATION_MARGIN_S = 300
+RECORD_TTL_S = 2 * 86_400  # a late settle still finds where to charge
 PERIOD_MARGIN_S = RECORD_TTL_S  # a period's counters outlive the settles of its last reservations
 SWEEP_BATCH = 100  # expired reservations returned per admission: bounded work inside the script
 TEMPLATE_TOKENS = 8  # per message, for a chat template's role markers (generous: an over-estimate is safe)
@@ -170,9 +174,11 @@ def _over_budget(api_key: ApiKey, message: str, retry_after: float | None) -> Re
     return RequestError(body, headers)
 
 
-async def reserve(redis: aioredis.Redis, api_key: ApiKey, request_id: str, estimate: Estimate, now: float) -> None:
+async def reserve(redis: aioredis.Redis, api_key: ApiKey, request_id: str, estimate: Estimate, now: float,
+                  hold_s: float) -> None:
     """Admits the request under `api_key`'s limits, counting it and reserving `estimate.usd` under
-    `request_id`; else raises `RequestError` (429: rate_limit_exceeded or insufficient_quota). One round trip."""
+    `request_id` for at most `hold_s`; else raises `RequestError` (429: rate_limit_exceeded or
+    insufficient_quota). One round trip."""
     if api_key.tpm is not None and estimate.tokens > api_key.tpm:
         raise _too_many("tokens", api_key.tpm, f"This request may use {estimate.tokens} (estimated prompt "
                                                "tokens + max_tokens x n): lower max_tokens", None)
@@ -188,7 +194,7 @@ async def reserve(redis: aioredis.Redis, api_key: ApiKey, request_id: str, estim
         args=[repr(now), -1 if api_key.rpm is None else api_key.rpm, -1 if api_key.tpm is None else api_key.tpm,
               estimate.tokens, budget, amount, 2 * WINDOW_S,
               0 if period_left is None else math.ceil(period_left) + PERIOD_MARGIN_S,
-              repr(now + RESERVATION_TTL_S), RECORD_TTL_S, request_id, api_key.hash, period_id, SWEEP_BATCH])
+              repr(now + hold_s), RECORD_TTL_S, request_id, api_key.hash, period_id, SWEEP_BATCH])
     window_left = window + WINDOW_S - now
     if code == 1:
         raise _too_many("requests", api_key.rpm, "Retry after the minute's window ends.", window_left)
@@ -252,7 +258,8 @@ class Estimator:
 
     async def estimate(self, message: p.GenerateRequest) -> Estimate:
         infos = await self._served(message.model)
-        prompt = max(self._prompt_tokens(message, info.model_dir) for info in infos)
+        # In a thread: a long prompt tokenizes for a while, and the event loop serves every other request.
+        prompt = max([await asyncio.to_thread(self._prompt_tokens, message, info.model_dir) for info in infos])
         context = max(info.max_model_len for info in infos)
         output = (message.sampling.max_tokens or max(context - prompt, 1)) * message.sampling.n
         names = {*self.prices.models, *self.tiers} if message.model == p.AUTO_MODEL else {message.model}
@@ -291,12 +298,13 @@ class Budgets:
     """The gateway's side: a limited key's request is estimated, then admitted (counted and its cost reserved)
     or refused, before it is queued. `clock` is injectable for tests."""
 
-    def __init__(self, redis: aioredis.Redis, estimator: Estimator, clock=time.time):
+    def __init__(self, redis: aioredis.Redis, estimator: Estimator, request_timeout_s: float, clock=time.time):
         self.redis, self.estimator, self.clock = redis, estimator, clock
+        self.hold_s = request_timeout_s + RESERVATION_MARGIN_S
 
     async def admit(self, api_key: ApiKey, message: p.GenerateRequest) -> Estimate:
         estimate = await self.estimator.estimate(message)
-        await reserve(self.redis, api_key, message.request_id, estimate, self.clock())
+        await reserve(self.redis, api_key, message.request_id, estimate, self.clock(), self.hold_s)
         return estimate
 
     async def release(self, request_id: str) -> float:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Any, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -14,6 +14,10 @@ UNSUPPORTED = {"tools", "tool_choice", "functions", "function_call", "response_f
                "parallel_tool_calls", "audio", "modalities", "prediction", "web_search_options", "suffix",
                "best_of", "echo", "reasoning_effort", "service_tier", "store", "metadata"}
 MAX_N = 16
+MAX_MESSAGES = 2048
+MAX_STOP_CHARS = 1024
+MAX_ID_CHARS = 256  # model names, `user`, `cache_salt`
+INT32_MAX, INT64_MAX = 2**31 - 1, 2**63 - 1
 
 
 class StreamOptions(BaseModel):
@@ -29,8 +33,11 @@ class ChatMessage(BaseModel):
     @field_validator("content")
     @classmethod
     def _text_only(cls, content):
-        if isinstance(content, list) and any(part.get("type") != "text" for part in content):
-            raise ValueError("only text content parts are supported")
+        if isinstance(content, list):
+            if any(part.get("type") != "text" for part in content):
+                raise ValueError("only text content parts are supported")
+            if any(not isinstance(part.get("text"), str) for part in content):
+                raise ValueError("a text part's 'text' must be a string")
         return content
 
     def as_template_input(self) -> dict[str, Any]:
@@ -41,25 +48,25 @@ class ChatMessage(BaseModel):
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    model: str = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model: str = Field(min_length=1, max_length=MAX_ID_CHARS)
+    max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     n: int = Field(default=1, ge=1, le=MAX_N)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-INT64_MAX - 1, le=INT64_MAX)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    user: str | None = None
+    user: str | None = Field(default=None, max_length=MAX_ID_CHARS)
     stream: bool = False
     stream_options: StreamOptions | None = None
     # vLLM's extensions, for users who come from it
-    top_k: int = -1
+    top_k: int = Field(default=-1, ge=-1, le=INT32_MAX)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(default=1.0, gt=0.0)
     ignore_eos: bool = False
-    cache_salt: str | None = Field(default=None, min_length=1)
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_ID_CHARS)
     # tokenfleet's: the response caches for this request (else the API key's, else the deployment's default)
     cache: p.CacheMode | None = None
     sla: str | None = Field(default=None, min_length=1, max_length=32)  # an SLA class; else the API key's
@@ -70,8 +77,8 @@ class _Common(BaseModel):
         stops = [stop] if isinstance(stop, str) else stop or []
         if len(stops) > 4:
             raise ValueError("at most 4 stop sequences")
-        if any(not s for s in stops):
-            raise ValueError("stop sequences must be non-empty")
+        if any(not s or len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"stop sequences must be 1 to {MAX_STOP_CHARS} characters")
         return stops
 
     def sampling(self, max_tokens: int | None, logprobs: int | None) -> p.SamplingOptions:
@@ -93,8 +100,8 @@ class _Common(BaseModel):
 
 
 class ChatCompletionRequest(_Common):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
 
@@ -119,7 +126,7 @@ class ChatCompletionRequest(_Common):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[int] = Field(min_length=1)
+    prompt: str | list[Annotated[int, Field(ge=0, le=INT32_MAX)]] = Field(min_length=1)
     logprobs: int | None = Field(default=None, ge=0, le=20)
 
     @field_validator("prompt", mode="before")

@@ -136,7 +136,11 @@ class Worker:
     async def _start(self, deliveries: list[streams.Delivery]) -> None:
         for delivery in deliveries:
             request = _parse(delivery)
-            if request is None or request.request_id in self.inflight:  # malformed, or a second copy
+            if request is None:
+                await streams.dead_letter(self.redis, p.WORKER_GROUP, delivery, "the work entry does not decode",
+                                          None, self.streams)
+                continue
+            if request.request_id in self.inflight:  # a second copy
                 await self.redis.xack(delivery.stream, p.WORKER_GROUP, delivery.entry_id)
                 continue
             task = asyncio.create_task(self._serve(delivery, request))
@@ -395,5 +399,5 @@ def _parse(delivery: streams.Delivery) -> p.GenerateRequest | None:
     try:
         return p.decode(p.GenerateRequest, delivery.fields)
     except ValueError:
-        log.error("dropping malformed work entry %s", delivery.entry_id)
+        log.error("work entry %s does not decode", delivery.entry_id)
         return None

@@ -79,8 +79,9 @@ class Router:
         try:
             request = p.decode(p.GenerateRequest, delivery.fields)
         except ValueError:
-            log.error("dropping malformed request entry %s", delivery.entry_id)
-            await self.redis.xack(p.REQUESTS_STREAM, p.ROUTER_GROUP, delivery.entry_id)
+            log.error("request entry %s does not decode: dead-lettered", delivery.entry_id)
+            await streams.dead_letter(self.redis, p.ROUTER_GROUP, delivery, "the request entry does not decode", None,
+                                      self.streams)
             return
         # The queue wait before this hop, then the hop; the next hop (worker or cache answer) is its child.
         telemetry.record("queue router", request.traceparent, request.enqueued_at, time.time())

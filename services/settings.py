@@ -50,6 +50,7 @@ class GatewaySettings(BaseSettings):
     idempotency_ttl_s: int = 3600
     request_timeout_s: float = 600.0  # no reply for this long: 504
     dev_key: str | None = None  # registered at start-up when set (`tokenfleet up` sets one)
+    max_body_bytes: int = 4 << 20  # a request body past this is refused (413) before it is read whole
 
 
 class RouterSettings(BaseSettings):

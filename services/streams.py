@@ -4,6 +4,7 @@ entries, dead-lettering, and reply streams."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -211,8 +212,10 @@ async def hand_back(redis: aioredis.Redis, stream: str, group: str, consumer: st
 
 async def dead_letter(redis: aioredis.Redis, group: str, delivery: Delivery, reason: str,
                       request: p.GenerateRequest | None, settings: StreamSettings) -> None:
-    letter = p.DeadLetter(request_id=request.request_id if request else "", stream=delivery.stream,
-                          entry_id=delivery.entry_id, deliveries=delivery.deliveries, reason=reason, request=request,
+    """`request` None: the entry did not decode; its client is still told when its request id can be read."""
+    request_id = request.request_id if request else _request_id_of(delivery.fields)
+    letter = p.DeadLetter(request_id=request_id or "", stream=delivery.stream, entry_id=delivery.entry_id,
+                          deliveries=delivery.deliveries, reason=reason, request=request,
                           traceparent=request.traceparent if request else None)
     async with redis.pipeline(transaction=True) as pipe:
         pipe.xadd(p.DEAD_LETTER_STREAM, letter.encode(), maxlen=settings.stream_maxlen, approximate=True)
@@ -220,10 +223,21 @@ async def dead_letter(redis: aioredis.Redis, group: str, delivery: Delivery, rea
         if request is not None:
             event = p.CompletionEvent.abandoned(request, "dead-lettered", worker_id="")
             pipe.xadd(p.EVENTS_STREAM, event.encode(), maxlen=settings.stream_maxlen, approximate=True)
+        if request_id:
             error = p.ErrorBody(message=f"request failed after {delivery.deliveries} deliveries: {reason}",
                                 type="server_error", code="dead_letter", status=500)
-            add_reply(pipe, request.request_id, p.ReplyChunk(kind="error", error=error), settings)
+            add_reply(pipe, request_id, p.ReplyChunk(kind="error", error=error), settings)
         await pipe.execute()
+
+
+def _request_id_of(fields: dict) -> str | None:
+    """The request id of an entry that does not decode as a request, if it has a readable one."""
+    raw = fields.get(p.FIELD) or fields.get(p.FIELD.encode())
+    try:
+        request_id = json.loads(raw).get("request_id")
+    except (TypeError, ValueError, AttributeError):
+        return None
+    return request_id if isinstance(request_id, str) and request_id else None
 
 
 async def dead_letter_exhausted(redis: aioredis.Redis, group: str, claimed: list[Delivery],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from .errors import InvalidRequestError
@@ -39,7 +40,12 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
+        floats = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+        for name in floats:  # inf passes every range check below, and NaN fails none of them
+            if not math.isfinite(getattr(self, name)):
+                raise InvalidRequestError(f"{name} must be a finite number, got {getattr(self, name)}", name)
         checks = [
+            (-(2**31) < self.top_k < 2**31, "top_k", f"top_k must fit in 32 bits, got {self.top_k}"),
             (self.n >= 1, "n", f"n must be at least 1, got {self.n}"),
             (self.temperature >= 0.0, "temperature", f"temperature must be >= 0, got {self.temperature}"),
             (0.0 < self.top_p <= 1.0, "top_p", f"top_p must be in (0, 1], got {self.top_p}"),

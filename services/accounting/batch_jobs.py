@@ -62,7 +62,8 @@ class BatchJob:
         tiers = RouterSettings()
         self.admission = Admission(redis, self.gateway, tiers)
         self.budgets = Budgets(redis, Estimator(redis, PriceTable.load(AccountingSettings().prices_path),
-                                                (tiers.small_model, tiers.large_model)))
+                                                (tiers.small_model, tiers.large_model)),
+                               self.gateway.request_timeout_s)
         self.default_cache_mode = CacheSettings().default_mode
 
     async def run(self) -> dict:
@@ -138,7 +139,7 @@ class BatchJob:
             if api_key.budget_usd is not None:
                 await self.budgets.admit(dataclasses.replace(api_key, rpm=None, tpm=None), message)
             try:
-                await self._admit(req.model, rid)
+                await self._admit(req.model, rid, message.sampling.max_tokens)
             except RequestError:
                 await self.budgets.release(rid)
                 raise
@@ -149,12 +150,12 @@ class BatchJob:
         finally:
             await self.admission.release(req.model, rid)
 
-    async def _admit(self, model: str, rid: str) -> None:
+    async def _admit(self, model: str, rid: str, max_tokens: int | None) -> None:
         """The gateway's admission; a full queue or no live worker is waited out (up to the request timeout)."""
         deadline = time.monotonic() + self.gateway.request_timeout_s
         while True:
             try:
-                return await self.admission.admit(model, rid)
+                return await self.admission.admit(model, rid, max_tokens)
             except RequestError as exc:
                 if exc.error.code not in ("queue_full", "no_worker") or time.monotonic() > deadline:
                     raise

@@ -53,6 +53,8 @@ def test_duplicate_request_id_is_refused(llm):
 @pytest.mark.parametrize(("field", "value"), [
     ("max_tokens", 0), ("temperature", -0.5), ("top_p", 0.0), ("top_p", 1.5), ("min_p", 2.0),
     ("n", 0), ("presence_penalty", 3.0), ("logprobs", 100), ("repetition_penalty", 0.0),
+    ("repetition_penalty", float("inf")), ("temperature", float("inf")), ("top_p", float("nan")),
+    ("frequency_penalty", float("nan")), ("top_k", 2**63),
 ])
 def test_out_of_range_sampling_fields_name_the_field(field, value):
     with pytest.raises(InvalidRequestError) as err:

@@ -11,6 +11,7 @@ import time
 import uuid
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
@@ -21,7 +22,7 @@ from services.accounting.batch_jobs import run_batch
 from services.accounting.prices import PriceTable
 from services.redis_client import connect
 
-from .conftest import MODEL
+from .conftest import API_KEY, MODEL
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = """
@@ -213,3 +214,11 @@ def test_a_batch_cannot_spend_past_its_keys_budget(stack, batch_worker):
     assert 1 <= batch.request_counts.completed < 10 and batch.request_counts.failed >= 1
     errors = [json.loads(line) for line in client.files.content(batch.error_file_id).text.splitlines()]
     assert {e["response"]["body"]["error"]["code"] for e in errors} == {"insufficient_quota"}
+
+
+@pytest.mark.parametrize("limit", ["abc", "0", "1000"])
+def test_a_bad_list_parameter_is_a_400_error_object_naming_it(stack, limit):
+    response = httpx.get(stack.url + "/v1/batches", params={"limit": limit},
+                         headers={"Authorization": f"Bearer {API_KEY}"})
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "limit" and response.json()["error"]["type"] == "invalid_request_error"

@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from gateway.auth import ApiKey, authenticate, hash_key, register_key
-from gateway.budgets import RESERVATION_TTL_S, Estimate, Estimator, budget_state, release, reserve, settle
+from gateway.budgets import Estimate, Estimator, budget_state, release, reserve, settle
 from gateway.schemas import ChatCompletionRequest, RequestError, parse
 from services import cli
 from services import protocol as p
@@ -40,6 +40,9 @@ def _run(redis_url: str, work):
     return asyncio.run(go())
 
 
+HOLD_S = 900  # a reservation's hold: the request's timeout and a margin
+
+
 def _key(**limits) -> ApiKey:
     return ApiKey(uuid.uuid4().hex, "tenant", **limits)
 
@@ -48,7 +51,7 @@ async def _attempt(redis, key: ApiKey, estimate: Estimate = EST, now: float = NO
     """The request's id when admitted, else the refusal's code."""
     request_id = uuid.uuid4().hex
     try:
-        await reserve(redis, key, request_id, estimate, now)
+        await reserve(redis, key, request_id, estimate, now, HOLD_S)
     except RequestError as exc:
         return exc.error.code
     return request_id
@@ -151,8 +154,8 @@ def test_a_reservation_never_settled_is_returned_after_its_deadline(redis_url):
 
     async def work(redis):
         await _attempt(redis, key)  # its gateway and worker died: nobody settles it
-        before_deadline = await _attempt(redis, key, now=NOW + RESERVATION_TTL_S - 1)
-        return before_deadline, await _attempt(redis, key, now=NOW + RESERVATION_TTL_S + 1)
+        before_deadline = await _attempt(redis, key, now=NOW + HOLD_S - 1)
+        return before_deadline, await _attempt(redis, key, now=NOW + HOLD_S + 1)
 
     before_deadline, after_deadline = _run(redis_url, work)
     assert before_deadline == "insufficient_quota"
@@ -165,7 +168,7 @@ def test_the_fourth_request_of_a_minute_over_rpm_3_waits_for_the_windows_end(red
     async def work(redis):
         admitted = [await _attempt(redis, key, now=NOW + i) for i in range(3)]
         with pytest.raises(RequestError) as refused:
-            await reserve(redis, key, "fourth", EST, NOW + 3)
+            await reserve(redis, key, "fourth", EST, NOW + 3, HOLD_S)
         return admitted, refused.value, await _attempt(redis, key, now=NOW + 50)
 
     admitted, refused, next_minute = _run(redis_url, work)
@@ -181,7 +184,7 @@ def test_tokens_per_minute_count_each_requests_estimate(redis_url):
     async def work(redis):
         outcomes = [await _attempt(redis, key) for _ in range(3)]
         with pytest.raises(RequestError) as refused:
-            await reserve(redis, key, "third", EST, NOW)
+            await reserve(redis, key, "third", EST, NOW, HOLD_S)
         return outcomes, refused.value
 
     outcomes, refused = _run(redis_url, work)
@@ -192,9 +195,9 @@ def test_tokens_per_minute_count_each_requests_estimate(redis_url):
 def test_a_request_that_can_never_fit_is_refused_without_retry(redis_url):
     async def work(redis):
         with pytest.raises(RequestError) as too_many_tokens:
-            await reserve(redis, _key(tpm=EST.tokens - 1), "big", EST, NOW)
+            await reserve(redis, _key(tpm=EST.tokens - 1), "big", EST, NOW, HOLD_S)
         with pytest.raises(RequestError) as too_costly:
-            await reserve(redis, _key(budget_usd=EST.usd / 2), "costly", EST, NOW)
+            await reserve(redis, _key(budget_usd=EST.usd / 2), "costly", EST, NOW, HOLD_S)
         return too_many_tokens.value, too_costly.value
 
     too_many_tokens, too_costly = _run(redis_url, work)

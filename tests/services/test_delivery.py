@@ -44,6 +44,26 @@ def test_a_request_delivered_more_than_k_times_is_dead_lettered_and_its_client_g
     assert replies[-1].kind == "error" and replies[-1].error.code == "dead_letter"
 
 
+def test_a_request_entry_that_does_not_decode_is_dead_lettered_and_its_client_told_at_once(stack):
+    request_id = uuid.uuid4().hex
+    entry = json.loads(p.GenerateRequest(request_id=request_id, kind="completion", model=MODEL, prompt="hi",
+                                         sampling=p.SamplingOptions()).encode()[p.FIELD])
+    entry["sampling"]["repetition_penalty"] = None  # what a non-finite number serialized to
+
+    async def scenario():
+        redis = connect(stack.redis_url)
+        try:
+            await redis.xadd(p.REQUESTS_STREAM, {p.FIELD: json.dumps(entry)})
+            return [c async for c in streams.follow_replies(redis, request_id, 10)]
+        finally:
+            await redis.aclose()
+
+    replies = asyncio.run(scenario())
+    assert replies[-1].kind == "error" and replies[-1].error.code == "dead_letter"
+    letters = [p.decode(p.DeadLetter, f) for _, f in stack.redis().xrange(p.DEAD_LETTER_STREAM)]
+    assert any(letter.request_id == request_id and letter.request is None for letter in letters)
+
+
 def _request_entry() -> tuple[str, p.GenerateRequest]:
     request = p.GenerateRequest(request_id=uuid.uuid4().hex, kind="completion", model="m", prompt="hi",
                                 sampling=p.SamplingOptions())
