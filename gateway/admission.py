@@ -12,7 +12,7 @@ from services import protocol as p
 from services.settings import GatewaySettings, RouterSettings
 
 # The codes of the refusals below: a request refused with one was never enqueued.
-REFUSALS = frozenset({"model_not_found", "no_worker", "queue_full", "invalid_value"})
+REFUSALS = frozenset({"model_not_found", "no_worker", "queue_full", "invalid_value", "accounting_backlog"})
 
 
 def inflight_key(model: str) -> str:
@@ -43,8 +43,11 @@ return {0, 0}
 
 
 class Admission:
-    def __init__(self, redis: aioredis.Redis, settings: GatewaySettings, tiers: RouterSettings):
-        self.redis, self.settings = redis, settings
+    def __init__(self, redis: aioredis.Redis, settings: GatewaySettings, tiers: RouterSettings,
+                 max_events_backlog: int):
+        """`max_events_backlog`: completion events not yet trimmed past which work is refused (503): the
+        accounting service is down or behind, and the events stream is never trimmed of unrecorded events."""
+        self.redis, self.settings, self.max_events_backlog = redis, settings, max_events_backlog
         self.tiers = (tiers.small_model, tiers.large_model)
         self._admit = redis.register_script(_ADMIT)
 
@@ -59,9 +62,10 @@ class Admission:
         candidates, now = self._candidates(model), time.time()
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.hgetall(p.MODELS_KEY)
+            pipe.xlen(p.EVENTS_STREAM)
             for candidate in candidates:
                 pipe.zcount(p.workers_key(candidate), now, "+inf")
-            raw, *alive = await pipe.execute()
+            raw, backlog, *alive = await pipe.execute()
         served = {name: p.ModelInfo.model_validate_json(info) for name, info in raw.items() if name in candidates}
         if not served:
             raise RequestError(p.ErrorBody(message=f"The model '{model}' does not exist", param="model",
@@ -73,6 +77,9 @@ class Admission:
                                            param="max_tokens", code="invalid_value"))
         if not any(n for c, n in zip(candidates, alive, strict=True) if c in served):
             raise self._refusal(503, f"no worker of model '{model}' is alive; retry shortly", "no_worker")
+        if backlog >= self.max_events_backlog:
+            raise self._refusal(503, f"{backlog} finished requests are waiting to be accounted for; retry later",
+                                "accounting_backlog")
         full, depth = await self._admit(keys=[inflight_key(c) for c in candidates],
                                         args=[now, now - self.settings.request_timeout_s,
                                               self.settings.max_queue_depth, request_id])

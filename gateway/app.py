@@ -80,7 +80,8 @@ class Gateway:
         self.redis, self.settings, self.default_cache_mode = redis, settings, default_cache_mode
         self.sla = sla or SlaPolicy.load()
         self.idempotency = Idempotency(redis, settings.idempotency_ttl_s)
-        self.relay = Relay(redis, Admission(redis, settings, tiers), self.idempotency, settings, stream_settings)
+        admission = Admission(redis, settings, tiers, stream_settings.events_max_backlog)
+        self.relay = Relay(redis, admission, self.idempotency, settings, stream_settings)
         prices = prices or PriceTable.load()
         self.budgets = Budgets(redis, Estimator(redis, prices, (tiers.small_model, tiers.large_model)),
                                settings.request_timeout_s)

@@ -254,13 +254,13 @@ class Worker:
 
     async def _close(self, delivery: streams.Delivery, request_id: str, chunks: list[p.ReplyChunk],
                      event: p.CompletionEvent | None = None) -> None:
-        """The final chunk first, then the acknowledgement: a crash between them repeats nothing visible."""
-        await self.replies.publish(request_id, chunks)
-        async with self.redis.pipeline(transaction=True) as pipe:
+        """The final chunks, the completion event and the acknowledgement, all or none (`ReplyPublisher.finish`)."""
+        def event_and_ack(pipe) -> None:
             if event is not None:
-                pipe.xadd(p.EVENTS_STREAM, event.encode(), maxlen=self.streams.stream_maxlen, approximate=True)
+                streams.add_event(pipe, event)
             pipe.xack(delivery.stream, p.WORKER_GROUP, delivery.entry_id)
-            await pipe.execute()
+
+        await self.replies.finish(request_id, chunks, event_and_ack)
         self.inflight.pop(request_id, None)  # acknowledged: no longer ours to refresh (a cache fill may follow)
 
     # ---- liveness and cancellation --------------------------------------------------------------------
@@ -346,8 +346,7 @@ class Worker:
         usage = p.Usage(prompt_tokens=history.started.prompt_tokens or 0 if history.started else 0,
                         completion_tokens=history.completion_tokens())
         async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.xadd(p.EVENTS_STREAM, self._abandoned(request, status, usage).encode(),
-                      maxlen=self.streams.stream_maxlen, approximate=True)
+            streams.add_event(pipe, self._abandoned(request, status, usage))
             pipe.xack(delivery.stream, p.WORKER_GROUP, delivery.entry_id)
             await pipe.execute()
 

@@ -35,5 +35,5 @@ async def answer_from_cache(redis: aioredis.Redis, entry_id: str, request: p.Gen
                               usage=usage, timing=timing, routing=request.routing, sla_class=request.sla_class,
                               enqueued_at=request.enqueued_at, traceparent=request.traceparent)
     additions = [streams.Addition(p.reply_stream(rid), chunk, ttl_s=settings.reply_ttl_s) for chunk in chunks]
-    additions.append(streams.Addition(p.EVENTS_STREAM, event, maxlen=settings.stream_maxlen))
+    additions.append(streams.Addition(p.EVENTS_STREAM, event))  # never trimmed by length: `streams.add_event`
     return await streams.ack_then_add(redis, p.REQUESTS_STREAM, p.ROUTER_GROUP, entry_id, additions)

@@ -34,7 +34,11 @@ class StreamSettings(BaseSettings):
     """Retention and delivery rules shared by every stream consumer."""
 
     model_config = SettingsConfigDict(env_prefix="TOKENFLEET_")
-    stream_maxlen: int = 100_000  # approximate MAXLEN of the request, work and event streams
+    stream_maxlen: int = 100_000  # approximate MAXLEN of the request and work streams
+    # The events stream is trimmed only of what the accounting service recorded, keeping the last
+    # `events_keep_s` of those; past `events_max_backlog` entries (accounting down) gateways refuse work (503).
+    events_keep_s: float = 600.0
+    events_max_backlog: int = 200_000
     reply_ttl_s: int = 600  # a reply stream expires this long after its last write
     max_deliveries: int = 3  # a request is served at most this many times; the next delivery dead-letters it
     claim_idle_ms: int = 3000  # pending this long with no refresh from its owner: the owner is presumed dead

@@ -6,10 +6,11 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
+from redis.asyncio.client import Pipeline
 from redis.exceptions import ResponseError
 
 from . import protocol as p
@@ -221,8 +222,7 @@ async def dead_letter(redis: aioredis.Redis, group: str, delivery: Delivery, rea
         pipe.xadd(p.DEAD_LETTER_STREAM, letter.encode(), maxlen=settings.stream_maxlen, approximate=True)
         pipe.xack(delivery.stream, group, delivery.entry_id)
         if request is not None:
-            event = p.CompletionEvent.abandoned(request, "dead-lettered", worker_id="")
-            pipe.xadd(p.EVENTS_STREAM, event.encode(), maxlen=settings.stream_maxlen, approximate=True)
+            add_event(pipe, p.CompletionEvent.abandoned(request, "dead-lettered", worker_id=""))
         if request_id:
             error = p.ErrorBody(message=f"request failed after {delivery.deliveries} deliveries: {reason}",
                                 type="server_error", code="dead_letter", status=500)
@@ -255,6 +255,40 @@ async def dead_letter_exhausted(redis: aioredis.Redis, group: str, claimed: list
             request = None
         await dead_letter(redis, group, delivery, "its workers kept failing", request, settings)
     return fresh
+
+
+def add_event(pipe, event: p.CompletionEvent) -> None:
+    """Never trimmed by length: the accounting service trims what it has recorded (`trim_acknowledged`), so
+    events pile up rather than vanish while it is down, and admission refuses work past a backlog bound."""
+    pipe.xadd(p.EVENTS_STREAM, event.encode())
+
+
+async def trim_acknowledged(redis: aioredis.Redis, stream: str, group: str, keep_s: float) -> int:
+    """Deletes `stream`'s entries that `group` has acknowledged, except those of the last `keep_s` seconds
+    (recent history for whoever inspects it; entry ids are times); never an entry the group has not read or
+    still holds pending. Returns how many it deleted."""
+    info = next((g for g in await redis.xinfo_groups(stream) if _text(g["name"]) == group), None)
+    if info is None:
+        return 0
+    summary = await redis.xpending(stream, group)
+    unread = _next_id(_text(info["last-delivered-id"]))
+    bound = min(_text(summary["min"]), unread, key=_id_key) if summary["pending"] else unread
+    recent = f"{int((time.time() - keep_s) * 1000)}-0"
+    return await redis.xtrim(stream, minid=min(bound, recent, key=_id_key), approximate=False)
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _id_key(entry_id: str) -> tuple[int, int]:
+    ms, seq = entry_id.split("-")
+    return int(ms), int(seq)
+
+
+def _next_id(entry_id: str) -> str:
+    ms, seq = _id_key(entry_id)
+    return f"{ms}-{seq + 1}"
 
 
 def signal_cancel(pipe, request_id: str, settings: StreamSettings) -> None:
@@ -295,6 +329,18 @@ class ReplyPublisher:
         """Returns once the chunks, and everything queued before them, are in Redis."""
         # shielded: a cancelled publisher must not cancel the write that carries the others' chunks too
         await asyncio.shield(self.publish_nowait(request_id, chunks))
+
+    async def finish(self, request_id: str, chunks: list[p.ReplyChunk], also: Callable[[Pipeline], None]) -> None:
+        """A request's last chunks, after everything queued before them, in one transaction with the commands
+        `also` queues (its completion event and acknowledgement): a cancel or a crash at any moment leaves all
+        of them or none, never a finished reply whose event is missing from the ledger."""
+        if self._flush is not None:  # chunks queued and not yet taken by a write go first
+            await asyncio.shield(self._flush)
+        async with self._order, self.redis.pipeline(transaction=True) as pipe:
+            for chunk in chunks:
+                add_reply(pipe, request_id, chunk, self.settings)
+            also(pipe)
+            await pipe.execute()
 
     async def flushed(self) -> None:
         """Returns once everything published so far is written (before handing work back)."""

@@ -60,7 +60,7 @@ class BatchJob:
         self.redis, self.batch_id, self.max_in_flight = redis, batch_id, max_in_flight
         self.gateway, self.streams = GatewaySettings(), StreamSettings()
         tiers = RouterSettings()
-        self.admission = Admission(redis, self.gateway, tiers)
+        self.admission = Admission(redis, self.gateway, tiers, self.streams.events_max_backlog)
         self.budgets = Budgets(redis, Estimator(redis, PriceTable.load(AccountingSettings().prices_path),
                                                 (tiers.small_model, tiers.large_model)),
                                self.gateway.request_timeout_s)

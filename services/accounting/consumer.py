@@ -109,4 +109,5 @@ class LedgerConsumer:
         for recorded in rows:  # every one, not only the new: a replay after a crash settles what the crash missed
             await self.settle(recorded["request_id"], float(recorded["list_cost_usd"]))
         await self.redis.xack(p.EVENTS_STREAM, ACCOUNTING_GROUP, *(d.entry_id for d in deliveries))
+        await streams.trim_acknowledged(self.redis, p.EVENTS_STREAM, ACCOUNTING_GROUP, self.streams.events_keep_s)
         log.debug("ledger: %d events, %d new rows", len(deliveries), len(new))

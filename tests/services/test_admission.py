@@ -35,10 +35,11 @@ def _run(redis_url: str, scenario):
     return asyncio.run(go())
 
 
-def _admission(redis, small: str, large: str) -> Admission:
+def _admission(redis, small: str, large: str, max_events_backlog: int = 10**9) -> Admission:
     """One gateway's admission (several instances stand for several gateways)."""
     return Admission(redis, GatewaySettings(max_queue_depth=DEPTH), RouterSettings(small_model=small,
-                                                                                     large_model=large))
+                                                                                     large_model=large),
+                     max_events_backlog)
 
 
 async def _outcome(admission: Admission, model: str, **kwargs) -> str:
@@ -88,3 +89,12 @@ def test_max_tokens_must_leave_room_for_a_prompt_in_the_models_context(redis_url
         return await _outcome(_admission(redis, small, large), small, max_tokens=max_tokens)
 
     assert _run(redis_url, scenario) == outcome
+
+
+def test_work_is_refused_with_503_while_unrecorded_completion_events_exceed_their_bound(redis_url):
+    async def scenario(redis, small, large):
+        backlog = await redis.xlen(p.EVENTS_STREAM)
+        return (await _outcome(_admission(redis, small, large, max_events_backlog=backlog + 1), small),
+                await _outcome(_admission(redis, small, large, max_events_backlog=backlog), small))
+
+    assert _run(redis_url, scenario) == ("admitted", "accounting_backlog")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import time
 import uuid
 
 import httpx
@@ -174,3 +175,91 @@ def test_work_a_draining_worker_cannot_finish_in_time_is_handed_back_and_complet
     event = next(e for _, f in stack.redis().xrange(p.EVENTS_STREAM)
                  if (e := p.decode(p.CompletionEvent, f)).request_id == response.headers["x-request-id"])
     assert event.deliveries == 1  # a hand-back is not counted against the request
+
+
+def test_a_cancel_at_any_moment_of_a_finish_leaves_exactly_one_completion_event(redis_url):
+    """The cancel loop cancels the request's task wherever it is, then abandons the request; a task cut
+    between its final chunk and its event once left a finished reply with no event (no ledger row)."""
+    from gpu_worker.service import Worker
+    from services.settings import WorkerSettings
+
+    async def one(cancel_after: int) -> tuple[int, int]:
+        redis, stream, rid = connect(redis_url), f"test-work-{uuid.uuid4().hex}", uuid.uuid4().hex
+        request = p.GenerateRequest(request_id=rid, kind="completion", model=MODEL, prompt="hi",
+                                    sampling=p.SamplingOptions())
+        info = p.ModelInfo(name=MODEL, model_dir="/m", max_model_len=64)
+        worker = Worker(redis, None, info, "w-test", WorkerSettings(), StreamSettings(), None, None)
+        await streams.ensure_group(redis, stream, p.WORKER_GROUP)
+        await redis.xadd(stream, request.encode())
+        [delivery] = await streams.read_new(redis, stream, p.WORKER_GROUP, "w-test", 1, 100)
+        usage = p.Usage(prompt_tokens=1, completion_tokens=1)
+        finished = p.ReplyChunk(kind="finished", worker_id="w-test", model=MODEL, usage=usage)
+        event = p.CompletionEvent(request_id=rid, model=MODEL, worker_id="w-test", finish_reasons=["stop"],
+                                  usage=usage, timing=p.Timing.unserved(time.time()))
+        task = asyncio.create_task(worker._close(delivery, rid, [finished], event))
+        for _ in range(cancel_after):
+            await asyncio.sleep(0)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await worker._abandon(delivery, request, "cancelled")
+        events = [e for _, f in await redis.xrange(p.EVENTS_STREAM, "-", "+")
+                  if (e := p.decode(p.CompletionEvent, f)).request_id == rid]
+        pending = (await redis.xpending(stream, p.WORKER_GROUP))["pending"]
+        await redis.delete(stream)
+        await redis.aclose()
+        return len(events), pending
+
+    async def scenario():
+        return [await one(n) for n in range(12)]
+
+    assert asyncio.run(scenario()) == [(1, 0)] * 12
+
+
+def test_the_events_stream_loses_only_what_accounting_acknowledged(redis_url):
+    """Trimmed by the group's acknowledgements, not by length: events pile up while accounting is down."""
+    stream = f"test-events-{uuid.uuid4().hex}"
+
+    async def scenario():
+        redis = connect(redis_url)
+        try:
+            await redis.xgroup_create(stream, "accounting", id="0", mkstream=True)
+            ids = [await redis.xadd(stream, {"n": i}, id=f"{1000 + i}-0") for i in range(10)]  # old: past keep_s
+            read = await redis.xreadgroup("accounting", "c", {stream: ">"}, count=6)
+            await redis.xack(stream, "accounting", *ids[:4])
+            trimmed = [await streams.trim_acknowledged(redis, stream, "accounting", keep_s=600)]
+            await redis.xack(stream, "accounting", *ids[4:6])
+            trimmed.append(await streams.trim_acknowledged(redis, stream, "accounting", keep_s=600))
+            recent = await redis.xadd(stream, {"n": "now"})  # acknowledged, but within keep_s
+            await redis.xreadgroup("accounting", "c", {stream: ">"})
+            await redis.xack(stream, "accounting", *ids[6:], recent)
+            trimmed.append(await streams.trim_acknowledged(redis, stream, "accounting", keep_s=600))
+            return len(read[0][1]), trimmed, [e for e, _ in await redis.xrange(stream)]
+        finally:
+            await redis.delete(stream)
+            await redis.aclose()
+
+    read, trimmed, left = asyncio.run(scenario())
+    assert read == 6 and trimmed == [4, 2, 4] and len(left) == 1
+
+
+def test_completion_events_are_not_trimmed_by_length(redis_url):
+    settings = StreamSettings(stream_maxlen=5)
+
+    async def scenario():
+        redis = connect(redis_url)
+        try:
+            since = f"{int(time.time() * 1000) - 1}-0"
+            request = p.GenerateRequest(request_id=uuid.uuid4().hex, kind="completion", model="m", prompt="hi",
+                                        sampling=p.SamplingOptions())
+            for _ in range(300):  # dead-lettered requests: one abandoned event each (a macro node is 100)
+                stream = f"test-work-{uuid.uuid4().hex}"
+                await redis.xadd(stream, request.encode())
+                delivery = streams.Delivery(stream, "0-1", request.encode(), 4)
+                await streams.dead_letter(redis, p.WORKER_GROUP, delivery, "test", request, settings)
+                await redis.delete(stream)
+            return sum(p.decode(p.CompletionEvent, f).request_id == request.request_id
+                       for _, f in await redis.xrange(p.EVENTS_STREAM, min=since))
+        finally:
+            await redis.aclose()
+
+    assert asyncio.run(scenario()) == 300
