@@ -20,8 +20,13 @@ def inflight_key(model: str) -> str:
     return f"{p.PREFIX}:inflight:{model}"
 
 
+def model_infos(models: dict[str, str]) -> dict[str, p.ModelInfo]:
+    """The `MODELS_KEY` hash as read from Redis, parsed."""
+    return {name: p.ModelInfo.model_validate_json(raw) for name, raw in models.items()}
+
+
 async def served_models(redis: aioredis.Redis) -> dict[str, p.ModelInfo]:
-    return {name: p.ModelInfo.model_validate_json(raw) for name, raw in (await redis.hgetall(p.MODELS_KEY)).items()}
+    return model_infos(await redis.hgetall(p.MODELS_KEY))
 
 
 async def alive_workers(redis: aioredis.Redis, model: str) -> int:
@@ -65,8 +70,8 @@ class Admission:
             pipe.xlen(p.EVENTS_STREAM)
             for candidate in candidates:
                 pipe.zcount(p.workers_key(candidate), now, "+inf")
-            raw, backlog, *alive = await pipe.execute()
-        served = {name: p.ModelInfo.model_validate_json(info) for name, info in raw.items() if name in candidates}
+            models, backlog, *alive = await pipe.execute()
+        served = model_infos({name: raw for name, raw in models.items() if name in candidates})
         if not served:
             raise RequestError(p.ErrorBody(message=f"The model '{model}' does not exist", param="model",
                                            code="model_not_found", status=404))

@@ -24,7 +24,15 @@ from gateway.budgets import Budgets, Estimator
 from gateway.idempotency import Idempotency
 from gateway.relay import Relay
 from gateway.request_body import BodyLimit, load_json
-from gateway.schemas import CACHE_HEADER, ChatCompletionRequest, CompletionRequest, RequestError, cache_mode, parse
+from gateway.schemas import (
+    CACHE_HEADER,
+    ChatCompletionRequest,
+    CompletionRequest,
+    RequestError,
+    cache_mode,
+    param_name,
+    parse,
+)
 from services import protocol as p
 from services import telemetry
 from services.accounting.prices import PriceTable
@@ -201,7 +209,7 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
     """FastAPI's own 422 (a query or path parameter of the wrong type) as OpenAI's 400 naming it."""
     first = exc.errors()[0]
-    param = ".".join(str(part) for part in first["loc"][1:]) or None  # loc starts with "query" / "path"
+    param = param_name(first["loc"][1:])  # loc starts with "query" / "path"
     return _error_response(p.ErrorBody(message=f"{param}: {first['msg']}", param=param, code="invalid_value"))
 
 

@@ -23,6 +23,7 @@ from gateway.auth import ApiKey
 from gateway.request_body import load_json
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, RequestError, parse
 from services import protocol as p
+from services.redis_client import as_text
 
 ENDPOINTS = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest}
 COMPLETION_WINDOW_S = 24 * 3600
@@ -117,21 +118,17 @@ async def store_file(redis: aioredis.Redis, tenant: str, content: bytes, filenam
 async def load_file(redis: aioredis.Redis, file_id: str, tenant: str | None = None) -> dict[str, Any] | None:
     """The file's fields (`meta` decoded, `content` as bytes), or None when unknown or another tenant's."""
     fields = await redis.hgetall(p.batch_file_key(file_id))
-    fields = {k.decode() if isinstance(k, bytes) else k: v for k, v in fields.items()}
-    if not fields or (tenant is not None and _text(fields["tenant"]) != tenant):
+    fields = {as_text(k): v for k, v in fields.items()}
+    if not fields or (tenant is not None and as_text(fields["tenant"]) != tenant):
         return None
     content = fields["content"]
-    return {**{k: _text(v) for k, v in fields.items()}, "meta": json.loads(fields["meta"]),
+    return {**{k: as_text(v) for k, v in fields.items()}, "meta": json.loads(fields["meta"]),
             "content": content if isinstance(content, bytes) else content.encode()}
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
 
 
 async def load_batch(redis: aioredis.Redis, batch_id: str) -> dict[str, Any] | None:
     fields = await redis.hgetall(p.batch_key(batch_id))
-    return {_text(k): json.loads(v) for k, v in fields.items()} or None
+    return {as_text(k): json.loads(v) for k, v in fields.items()} or None
 
 
 async def transition(redis: aioredis.Redis, batch_id: str, allowed: tuple[str, ...], **fields: Any) -> bool:
@@ -257,7 +254,7 @@ class Batches:
     async def list_batches(self, request: Request, limit: int = Query(20, ge=1, le=100),
                            after: str | None = Query(None, max_length=256)) -> dict:
         api_key = await self.authenticated(request)
-        ids = [_text(i) for i in await self.redis.zrevrange(p.batches_key(api_key.name), 0, -1)]
+        ids = [as_text(i) for i in await self.redis.zrevrange(p.batches_key(api_key.name), 0, -1)]
         if after in ids:
             ids = ids[ids.index(after) + 1:]
         data = [await self._view(b) for i in ids[:max(1, min(limit, 100)) + 1]

@@ -258,8 +258,10 @@ class Estimator:
 
     async def estimate(self, message: p.GenerateRequest) -> Estimate:
         infos = await self._served(message.model)
-        # In a thread: a long prompt tokenizes for a while, and the event loop serves every other request.
-        prompt = max([await asyncio.to_thread(self._prompt_tokens, message, info.model_dir) for info in infos])
+        # In a thread: a long prompt tokenizes for a while, and the event loop serves every other request. Both
+        # tiers may serve one checkpoint: each distinct one is tokenized once.
+        model_dirs = {info.model_dir for info in infos}
+        prompt = await asyncio.to_thread(lambda: max(self._prompt_tokens(message, d) for d in model_dirs))
         context = max(info.max_model_len for info in infos)
         output = (message.sampling.max_tokens or max(context - prompt, 1)) * message.sampling.n
         names = {*self.prices.models, *self.tiers} if message.model == p.AUTO_MODEL else {message.model}

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.schemas import RequestError
+from gateway.schemas import RequestError, param_name
 from services import protocol as p
 
 MAX_DEPTH = 32  # OpenAI's request bodies nest a handful of levels (messages[].content[].text)
@@ -59,7 +59,7 @@ def _check(obj: Any) -> None:
     while pending:
         value, path = pending.pop()
         if len(path) > MAX_DEPTH:
-            raise _refuse(f"the JSON body nests deeper than {MAX_DEPTH} levels", _param(path[:MAX_DEPTH]))
+            raise _refuse(f"the JSON body nests deeper than {MAX_DEPTH} levels", param_name(path[:MAX_DEPTH]))
         if isinstance(value, dict):
             for key, item in value.items():
                 _check_text(key, path)
@@ -69,7 +69,7 @@ def _check(obj: Any) -> None:
         elif isinstance(value, str):
             _check_text(value, path)
         elif isinstance(value, _Unusable):
-            name = _param(path)
+            name = param_name(path)
             raise _refuse(f"{name or 'the body'}: {value.literal} {value.why}", name)
 
 
@@ -78,13 +78,9 @@ def _check_text(text: str, path: tuple) -> None:
         try:
             text.encode()
         except UnicodeEncodeError:
-            name = _param(path)
+            name = param_name(path)
             raise _refuse(f"{name or 'the body'}: a string holds a lone UTF-16 surrogate (not valid Unicode)",
                           name) from None
-
-
-def _param(path: tuple) -> str | None:
-    return ".".join(str(part) for part in path) or None
 
 
 class BodyLimit:

@@ -173,10 +173,15 @@ def parse(cls: type[_Common], body: Any) -> _Common:
         return cls.model_validate({k: v for k, v in body.items() if k not in UNSUPPORTED and v is not None})
     except ValidationError as exc:
         first = exc.errors()[0]
-        param = ".".join(str(part) for part in first["loc"]) or None
+        param = param_name(first["loc"])
         message = "Unrecognized request argument supplied: " + param if first["type"] == "extra_forbidden" \
             else f"{param}: {first['msg']}"
         raise RequestError(p.ErrorBody(message=message, param=param, code="invalid_value")) from None
+
+
+def param_name(path) -> str | None:
+    """OpenAI's `param` for a field's location in the body (`messages.0.content`); None for the body itself."""
+    return ".".join(str(part) for part in path) or None
 
 
 class RequestError(Exception):

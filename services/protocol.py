@@ -124,11 +124,14 @@ class Message(BaseModel):
 M = TypeVar("M", bound=Message)
 
 
-def decode(cls: type[M], fields: dict) -> M:
+def raw_message(fields: dict) -> str | None:
+    """A stream entry's message JSON, as `encode` wrote it (None: the entry has none)."""
     raw = fields.get(FIELD) if FIELD in fields else fields.get(FIELD.encode())
-    if isinstance(raw, bytes):
-        raw = raw.decode()
-    return cls.model_validate_json(raw)
+    return raw.decode() if isinstance(raw, bytes) else raw
+
+
+def decode(cls: type[M], fields: dict) -> M:
+    return cls.model_validate_json(raw_message(fields))
 
 
 class SamplingOptions(BaseModel):

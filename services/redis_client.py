@@ -25,6 +25,11 @@ class EmbeddedRedis:
             self._dir.cleanup()
 
 
+def as_text(value: bytes | str) -> str:
+    """A reply as text, from a client made with or without `decode_responses` (the files' is binary)."""
+    return value.decode() if isinstance(value, bytes) else value
+
+
 def connect(url: str) -> aioredis.Redis:
     return aioredis.Redis.from_url(url, decode_responses=True, max_connections=10_000,
                                    health_check_interval=30)

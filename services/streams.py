@@ -14,6 +14,7 @@ from redis.asyncio.client import Pipeline
 from redis.exceptions import ResponseError
 
 from . import protocol as p
+from .redis_client import as_text
 from .settings import StreamSettings
 
 # Longest blocking read: under redis-py's socket timeout (5 s by default), which would cut a longer one.
@@ -232,9 +233,8 @@ async def dead_letter(redis: aioredis.Redis, group: str, delivery: Delivery, rea
 
 def _request_id_of(fields: dict) -> str | None:
     """The request id of an entry that does not decode as a request, if it has a readable one."""
-    raw = fields.get(p.FIELD) or fields.get(p.FIELD.encode())
     try:
-        request_id = json.loads(raw).get("request_id")
+        request_id = json.loads(p.raw_message(fields)).get("request_id")
     except (TypeError, ValueError, AttributeError):
         return None
     return request_id if isinstance(request_id, str) and request_id else None
@@ -267,18 +267,14 @@ async def trim_acknowledged(redis: aioredis.Redis, stream: str, group: str, keep
     """Deletes `stream`'s entries that `group` has acknowledged, except those of the last `keep_s` seconds
     (recent history for whoever inspects it; entry ids are times); never an entry the group has not read or
     still holds pending. Returns how many it deleted."""
-    info = next((g for g in await redis.xinfo_groups(stream) if _text(g["name"]) == group), None)
+    info = next((g for g in await redis.xinfo_groups(stream) if as_text(g["name"]) == group), None)
     if info is None:
         return 0
     summary = await redis.xpending(stream, group)
-    unread = _next_id(_text(info["last-delivered-id"]))
-    bound = min(_text(summary["min"]), unread, key=_id_key) if summary["pending"] else unread
+    unread = _next_id(as_text(info["last-delivered-id"]))
+    bound = min(as_text(summary["min"]), unread, key=_id_key) if summary["pending"] else unread
     recent = f"{int((time.time() - keep_s) * 1000)}-0"
     return await redis.xtrim(stream, minid=min(bound, recent, key=_id_key), approximate=False)
-
-
-def _text(value) -> str:
-    return value.decode() if isinstance(value, bytes) else value
 
 
 def _id_key(entry_id: str) -> tuple[int, int]:
