@@ -22,7 +22,7 @@ from gateway.auth import ApiKey, authenticate, register_key
 from gateway.batches import MAX_FILE_BYTES, Batches
 from gateway.budgets import Budgets, Estimator
 from gateway.idempotency import Idempotency
-from gateway.relay import Relay
+from gateway.relay import Relay, redis_unavailable
 from gateway.request_body import BodyLimit, load_json
 from gateway.schemas import (
     CACHE_HEADER,
@@ -193,6 +193,9 @@ class Gateway:
         return JSONResponse({"status": "ready" if ready else "unready", "redis": "ok", "workers": workers},
                             status_code=200 if ready else 503)
 
+    async def redis_error(self, request: Request, exc: aioredis.RedisError) -> JSONResponse:
+        return _error_response(redis_unavailable(exc), {"Retry-After": str(self.settings.retry_after_s)})
+
     async def prometheus(self) -> PlainTextResponse:
         return PlainTextResponse(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -228,6 +231,7 @@ def create_app(redis: aioredis.Redis, settings: GatewaySettings, tiers: RouterSe
     app.add_exception_handler(RequestError, _request_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(aioredis.RedisError, gateway.redis_error)
     app.add_api_route("/v1/chat/completions", gateway.chat_completions, methods=["POST"])
     app.add_api_route("/v1/completions", gateway.completions, methods=["POST"])
     app.add_api_route("/v1/models", gateway.models, methods=["GET"])

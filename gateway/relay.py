@@ -18,6 +18,7 @@ from gateway.idempotency import FirstRequest, Idempotency
 from gateway.render import ResponseBuilder
 from gateway.schemas import CACHE_HEADER, ChatCompletionRequest, RequestError
 from services import protocol as p
+from services.redis_client import UNREACHABLE, until_reachable
 from services.settings import GatewaySettings, StreamSettings
 from services.streams import add_reply, follow_replies, signal_cancel
 
@@ -53,7 +54,7 @@ class Relay:
             self._later(self.admission.release(req.model, rid))
             return Response(status_code=499)
         except BaseException as exc:
-            if isinstance(exc, RequestError) and exc.error.code == "timeout":  # nobody will read the rest
+            if _gave_up(exc):  # nobody will read the rest (or, if the enqueueing failed, it is never run)
                 self._later(self.cancel(rid))
             self._later(self.admission.release(req.model, rid))
             raise
@@ -65,7 +66,8 @@ class Relay:
         return await self._respond(req, first.request_id, first.created, owner=False, store=None)
 
     async def _respond(self, req, rid: str, created: int, owner: bool, store) -> Response:
-        replies = follow_replies(self.redis, rid, self.settings.request_timeout_s)
+        replies = follow_replies(self.redis, rid, self.settings.request_timeout_s,
+                                 outage_s=self.streams.redis_outage_s)
         first = await self._first(replies)
         kind = "chat" if isinstance(req, ChatCompletionRequest) else "completion"
         builder = ResponseBuilder(kind, f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{rid}", created, first.model,
@@ -104,6 +106,8 @@ class Relay:
 
     async def _events(self, builder: ResponseBuilder, replies: AsyncIterator[p.ReplyChunk], req,
                       progress: _StreamProgress) -> AsyncIterator[str]:
+        """Every stream ends with `[DONE]`: after all its tokens, or after an error event (the worker's, or
+        this gateway's when it stopped waiting: then the request is cancelled, and its ledger row says so)."""
         try:
             for obj in builder.role_chunks(req.n):
                 yield sse(obj)
@@ -115,9 +119,11 @@ class Relay:
                     yield sse(chunk.error.openai())
                 elif chunk.kind == "finished" and (final := builder.final_chunk(chunk)):
                     yield sse(final)
+            progress.done = True
         except TimeoutError as exc:
             yield sse(p.ErrorBody(message=str(exc), type="server_error", code="timeout").openai())
-        progress.done = True
+        except UNREACHABLE as exc:
+            yield sse(redis_unavailable(exc).openai())
         yield sse("[DONE]")
 
     def _closed(self, model: str, rid: str, owner: bool, progress: _StreamProgress) -> None:
@@ -129,13 +135,19 @@ class Relay:
 
     async def cancel(self, request_id: str) -> None:
         """Reaches a worker that holds the request now (pub/sub) or takes it later (the key), and closes the
-        reply stream for anyone else following it (an Idempotency-Key replay)."""
+        reply stream for anyone else following it (an Idempotency-Key replay). Waits out a Redis restart:
+        a request left uncancelled would run, and be billed, for nobody."""
         error = p.ErrorBody(message="the request was cancelled: its client disconnected", type="server_error",
                             code="cancelled", status=499)
-        async with self.redis.pipeline(transaction=False) as pipe:
-            signal_cancel(pipe, request_id, self.streams)
-            add_reply(pipe, request_id, p.ReplyChunk(kind="error", error=error), self.streams)
-            await pipe.execute()
+        while True:
+            try:
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    signal_cancel(pipe, request_id, self.streams)
+                    add_reply(pipe, request_id, p.ReplyChunk(kind="error", error=error), self.streams)
+                    await pipe.execute()
+                return
+            except UNREACHABLE:
+                await until_reachable(self.redis, self.streams.reply_ttl_s)
 
     def _later(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -165,6 +177,17 @@ class _RelayedStream(StreamingResponse):
 
 class _ClientGone(Exception):
     pass
+
+
+def _gave_up(exc: BaseException) -> bool:
+    """This gateway stopped waiting for a request that may still run."""
+    return isinstance(exc, UNREACHABLE) or isinstance(exc, RequestError) and exc.error.code == "timeout"
+
+
+def redis_unavailable(exc: BaseException) -> p.ErrorBody:
+    """Redis down, restarting or refusing writes: a request it cut off was cancelled, so a retry is safe."""
+    return p.ErrorBody(message=f"the request queue (Redis) is unavailable ({exc}); retry shortly",
+                       type="server_error", code="service_unavailable", status=503)
 
 
 async def _unless_client_leaves(work: Awaitable[Response], is_disconnected: Callable[[], Awaitable[bool]],

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections import defaultdict
@@ -28,6 +29,7 @@ from gpu_worker.orphan_inboxes import OrphanInboxes
 from gpu_worker.request_codec import ReplyHistory, logprob_entries, prompt_ids, sampling_params
 from services import protocol as p
 from services import streams, telemetry
+from services.redis_client import UNREACHABLE, until_reachable
 from services.settings import StreamSettings, WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -140,8 +142,11 @@ class Worker:
                 await streams.dead_letter(self.redis, p.WORKER_GROUP, delivery, "the work entry does not decode",
                                           None, self.streams)
                 continue
-            if request.request_id in self.inflight:  # a second copy
-                await self.redis.xack(delivery.stream, p.WORKER_GROUP, delivery.entry_id)
+            if held := self.inflight.get(request.request_id):
+                held_delivery, _ = held
+                if (held_delivery.stream, held_delivery.entry_id) != (delivery.stream, delivery.entry_id):
+                    await self.redis.xack(delivery.stream, p.WORKER_GROUP, delivery.entry_id)  # a second copy
+                # else its own entry, claimed back after an outage kept the heartbeat from refreshing it
                 continue
             task = asyncio.create_task(self._serve(delivery, request))
             self.inflight[request.request_id] = (delivery, task)
@@ -149,6 +154,22 @@ class Worker:
     # ---- serving one request --------------------------------------------------------------------------
 
     async def _serve(self, delivery: streams.Delivery, request: p.GenerateRequest) -> None:
+        rid = request.request_id
+        try:
+            while True:
+                self.replies.reset(rid)
+                try:
+                    return await self._serve_once(delivery, request)
+                except UNREACHABLE as exc:  # Redis restarting: its entry stays ours (the heartbeat refreshes it)
+                    log.warning("Redis unreachable serving request %s (%s); resuming it once Redis answers", rid, exc)
+                    await until_reachable(self.redis, None)
+                    delivery = dataclasses.replace(delivery, claimed=True)  # from what its reply stream holds
+        finally:
+            self.replies.reset(rid)
+            self.inflight.pop(rid, None)
+            self._slot_freed.set()
+
+    async def _serve_once(self, delivery: streams.Delivery, request: p.GenerateRequest) -> None:
         rid = request.request_id
         try:
             if await self.redis.exists(p.cancel_key(rid)):
@@ -164,16 +185,13 @@ class Worker:
             with telemetry.hop(f"generate {self.info.name}", request.traceparent, attributes=attributes) as span:
                 request.traceparent = telemetry.traceparent(span)  # the completion event is this span's child
                 await self._generate(delivery, request, history)
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, *UNREACHABLE):
             raise
         except Exception as exc:  # one request's failure is its own: reported, acknowledged, never retried
             log.exception("request %s failed", rid)
             error = p.ErrorBody(message=f"worker error: {exc}", type="server_error", status=500)
             await self._close(delivery, rid, [p.ReplyChunk(kind="error", error=error, worker_id=self.worker_id)],
                               self._abandoned(request, "error"))
-        finally:
-            self.inflight.pop(rid, None)
-            self._slot_freed.set()
 
     async def _generate(self, delivery: streams.Delivery, request: p.GenerateRequest, history: ReplyHistory) -> None:
         rid, engine = request.request_id, self.engine.engine

@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import tempfile
+import time
 from pathlib import Path
 
 import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+# Redis down, restarting or still loading its data (BusyLoadingError is a ConnectionError): worth waiting out,
+# unlike a refused command.
+UNREACHABLE = (RedisConnectionError, RedisTimeoutError)
 
 
 class EmbeddedRedis:
@@ -33,3 +41,19 @@ def as_text(value: bytes | str) -> str:
 def connect(url: str) -> aioredis.Redis:
     return aioredis.Redis.from_url(url, decode_responses=True, max_connections=10_000,
                                    health_check_interval=30)
+
+
+async def until_reachable(redis: aioredis.Redis, give_up_s: float | None) -> None:
+    """Returns once Redis answers a PING, backing off up to 2 s between tries; raises the last error after
+    `give_up_s` (None: never gives up). The pool's broken connections are replaced on the way."""
+    deadline = None if give_up_s is None else time.monotonic() + give_up_s
+    pause = 0.05
+    while True:
+        try:
+            await redis.ping()
+            return
+        except UNREACHABLE:
+            if deadline is not None and time.monotonic() + pause > deadline:
+                raise
+        await asyncio.sleep(pause)
+        pause = min(2.0, pause * 2)

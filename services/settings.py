@@ -43,6 +43,8 @@ class StreamSettings(BaseSettings):
     max_deliveries: int = 3  # a request is served at most this many times; the next delivery dead-letters it
     claim_idle_ms: int = 3000  # pending this long with no refresh from its owner: the owner is presumed dead
     janitor_interval_s: float = 1.0
+    # How long what waits on Redis (a client's reply, a cancel) rides out an unreachable Redis before failing.
+    redis_outage_s: float = 60.0
 
 
 class GatewaySettings(BaseSettings):

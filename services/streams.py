@@ -11,10 +11,11 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
 from . import protocol as p
-from .redis_client import as_text
+from .redis_client import UNREACHABLE, as_text, until_reachable
 from .settings import StreamSettings
 
 # Longest blocking read: under redis-py's socket timeout (5 s by default), which would cut a longer one.
@@ -311,6 +312,18 @@ class ReplyPublisher:
         self._flush: asyncio.Task | None = None  # the write still taking chunks
         self._writes: set[asyncio.Task] = set()  # writes not yet done
         self._order = asyncio.Lock()
+        # Requests a write of which failed (Redis went away): none of their later chunks may land after the
+        # gap, or a client would take a later token for the next one. Their serving resumes from the stream.
+        self._broken: set[str] = set()
+
+    def reset(self, request_id: str) -> None:
+        """A request's serving starts (again) from what its reply stream holds, or ends: its failed writes
+        are forgotten."""
+        self._broken.discard(request_id)
+
+    def _check(self, request_id: str) -> None:
+        if request_id in self._broken:
+            raise RedisConnectionError(f"an earlier reply write of request {request_id} failed")
 
     def publish_nowait(self, request_id: str, chunks: list[p.ReplyChunk]) -> asyncio.Task:
         """Queues the chunks; the returned write puts them in Redis after everything queued before them."""
@@ -323,6 +336,7 @@ class ReplyPublisher:
 
     async def publish(self, request_id: str, chunks: list[p.ReplyChunk]) -> None:
         """Returns once the chunks, and everything queued before them, are in Redis."""
+        self._check(request_id)
         # shielded: a cancelled publisher must not cancel the write that carries the others' chunks too
         await asyncio.shield(self.publish_nowait(request_id, chunks))
 
@@ -332,6 +346,7 @@ class ReplyPublisher:
         of them or none, never a finished reply whose event is missing from the ledger."""
         if self._flush is not None:  # chunks queued and not yet taken by a write go first
             await asyncio.shield(self._flush)
+        self._check(request_id)
         async with self._order, self.redis.pipeline(transaction=True) as pipe:
             for chunk in chunks:
                 add_reply(pipe, request_id, chunk, self.settings)
@@ -349,7 +364,11 @@ class ReplyPublisher:
         async with self._order, self.redis.pipeline(transaction=False) as pipe:  # one write at a time: FIFO
             for request_id, chunk in batch:
                 add_reply(pipe, request_id, chunk, self.settings)
-            await pipe.execute()
+            try:
+                await pipe.execute()
+            except BaseException:
+                self._broken.update(request_id for request_id, _ in batch)
+                raise
 
 
 async def reply_history(redis: aioredis.Redis, request_id: str) -> list[tuple[str, p.ReplyChunk]]:
@@ -357,15 +376,21 @@ async def reply_history(redis: aioredis.Redis, request_id: str) -> list[tuple[st
     return [(entry_id, p.decode(p.ReplyChunk, fields)) for entry_id, fields in entries]
 
 
-async def follow_replies(redis: aioredis.Redis, request_id: str, timeout_s: float,
-                         last_id: str = "0-0") -> AsyncIterator[p.ReplyChunk]:
+async def follow_replies(redis: aioredis.Redis, request_id: str, timeout_s: float, last_id: str = "0-0",
+                         outage_s: float = 60.0) -> AsyncIterator[p.ReplyChunk]:
     """Reply chunks as they arrive, each choice's tokens exactly once (a resumed worker may repeat what
-    the dead one published; positions tell). Ends after "finished" or "error"; TimeoutError if silent."""
+    the dead one published; positions tell). Ends after "finished" or "error"; TimeoutError if silent.
+    An unreachable Redis is waited out for `outage_s` (the reading resumes where it stopped, and the worker
+    resumes from what the stream holds), then its error is raised."""
     key, next_position = p.reply_stream(request_id), {}
     deadline = time.monotonic() + timeout_s
     while True:
         wait_ms = int(max(1.0, (deadline - time.monotonic()) * 1000))
-        reply = await redis.xread({key: last_id}, block=min(wait_ms, BLOCK_MS))
+        try:
+            reply = await redis.xread({key: last_id}, block=min(wait_ms, BLOCK_MS))
+        except UNREACHABLE:
+            await until_reachable(redis, outage_s)
+            continue
         if not reply:
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"no reply for request {request_id} within {timeout_s:.0f} s")

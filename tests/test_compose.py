@@ -169,3 +169,9 @@ def test_prometheus_scrapes_the_gateway_and_every_worker_metrics_port():
     expected = {f"gateway:{gateway_command[gateway_command.index('--port') + 1]}"}
     expected |= {f"{name}:{_environment(SERVICES[name])['TOKENFLEET_WORKER_METRICS_PORT']}" for name in GPU_WORKERS}
     assert expected <= targets, f"not scraped: {expected - targets}"
+
+
+def test_compose_runs_redis_with_the_append_only_file():
+    """What a Redis restart must not lose (queued requests, replies, unrecorded completion events) is persisted."""
+    command = _command(_compose()["services"]["redis"])
+    assert command[command.index("--appendonly") + 1] == "yes"

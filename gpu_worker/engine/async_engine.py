@@ -22,9 +22,13 @@ from .sequence import ResumedChoice
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
-        self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
-        self._pending: list[tuple[str, list[int], SamplingParams, dict]] = []
-        self._aborts: list[str] = []
+        self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}  # open `generate` calls
+        # Adds and aborts, applied between steps in the order they came: a request resumed under its own id
+        # right after its abort (its worker lost Redis for a moment) must find the old one gone.
+        self._pending: list[tuple[str, list[int], SamplingParams, dict, asyncio.Queue] | str] = []
+        # The streams of requests the engine holds: outputs of a step that ran while a request was aborted and
+        # added again go nowhere, not to the new one.
+        self._live: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self._step_in_flight: asyncio.Future | None = None
@@ -44,7 +48,7 @@ class AsyncLLMEngine:
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[request_id] = queue
         self._pending.append((request_id, prompt_ids, params,
-                              {"priority": priority, "resume": resume, "cache_salt": cache_salt}))
+                              {"priority": priority, "resume": resume, "cache_salt": cache_salt}, queue))
         self._ensure_loop()
         finished = False
         try:
@@ -56,11 +60,13 @@ class AsyncLLMEngine:
                 yield item
         finally:
             self._streams.pop(request_id, None)
+            if self._live.get(request_id) is queue:
+                del self._live[request_id]
             if not finished:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        self._aborts.append(request_id)
+        self._pending.append(request_id)
         self._wake.set()
 
     def _ensure_loop(self) -> None:
@@ -70,17 +76,22 @@ class AsyncLLMEngine:
 
     def _apply_pending(self) -> None:
         pending, self._pending = self._pending, []
-        for request_id, prompt, params, options in pending:
+        for operation in pending:
+            if isinstance(operation, str):
+                self.engine.abort_request(operation)
+                continue
+            request_id, prompt, params, options, queue = operation
+            if self._streams.get(request_id) is not queue:  # its caller left before it was added
+                continue
             try:
                 self.engine.add_request(request_id, prompt, params, **options)
             except Exception as exc:  # the caller gets its error; the loop serves the others
-                self._deliver(request_id, exc)
-        aborts, self._aborts = self._aborts, []
-        for request_id in aborts:
-            self.engine.abort_request(request_id)
+                queue.put_nowait(exc)
+                continue
+            self._live[request_id] = queue
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
-        queue = self._streams.get(request_id)
+        queue = self._live.get(request_id)
         if queue is not None:
             queue.put_nowait(item)
 
@@ -112,6 +123,6 @@ class AsyncLLMEngine:
         if self._step_in_flight is not None:
             with contextlib.suppress(Exception):
                 await self._step_in_flight
-        for request_id in list(self._streams):
-            self._deliver(request_id, RuntimeError("engine shut down"))
+        for request_id, queue in list(self._streams.items()):
+            queue.put_nowait(RuntimeError("engine shut down"))
             self.engine.abort_request(request_id)

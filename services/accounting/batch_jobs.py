@@ -164,7 +164,8 @@ class BatchJob:
     async def _collect(self, req, message: p.GenerateRequest) -> dict:
         """The whole response body, built as the gateway builds a non-streamed one."""
         builder = None
-        async for chunk in follow_replies(self.redis, message.request_id, self.gateway.request_timeout_s):
+        async for chunk in follow_replies(self.redis, message.request_id, self.gateway.request_timeout_s,
+                                          outage_s=self.streams.redis_outage_s):
             if chunk.kind == "error":
                 raise RequestError(chunk.error)
             if builder is None:

@@ -92,3 +92,21 @@ def test_reusing_a_running_request_id_is_refused_and_the_first_stream_completes(
         return tokens
 
     assert len(asyncio.run(main())) == 6
+
+
+def test_a_request_left_and_started_again_under_its_id_runs_afresh(model_dir):
+    """A worker that lost Redis mid-request resumes it under the same id at once: the old run is gone by
+    then, and outputs of a step the old one was in never reach the new stream."""
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    expected = LLM(model_dir, dtype="float32").generate([PROMPTS[0]], params)[0].token_ids
+
+    async def main():
+        engine = AsyncLLMEngine(LLMEngine(EngineConfig(model=model_dir, dtype="float32")))
+        stream = engine.generate("again", PROMPTS[0], params)
+        await anext(stream)
+        await stream.aclose()  # queued abort; a step may still be running with the old request in it
+        tokens, _, _ = await _collect(engine, "again", PROMPTS[0], params)
+        await engine.shutdown()
+        return tokens
+
+    assert asyncio.run(main()) == expected

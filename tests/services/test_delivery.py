@@ -263,3 +263,33 @@ def test_completion_events_are_not_trimmed_by_length(redis_url):
             await redis.aclose()
 
     assert asyncio.run(scenario()) == 300
+
+
+def test_after_a_failed_reply_write_a_request_publishes_nothing_until_it_resumes(redis_url):
+    """A write lost to a Redis outage followed by one that lands would leave a gap a client cannot see:
+    the next token would pass for the lost one. The request must resume from its stream instead."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    async def scenario() -> tuple[bool, list[int]]:
+        live, rid = connect(redis_url), uuid.uuid4().hex
+        publisher = streams.ReplyPublisher(connect("redis://127.0.0.1:1/0"), StreamSettings())  # nothing listens
+
+        def delta(position: int) -> p.ReplyChunk:
+            return p.ReplyChunk(kind="delta", index=0, position=position, token_ids=[position])
+
+        lost = publisher.publish_nowait(rid, [delta(0)])  # not awaited by the request, as a "started" chunk is
+        await asyncio.gather(lost, return_exceptions=True)
+        publisher.redis = live  # Redis is back
+        try:
+            await publisher.publish(rid, [delta(1)])
+            refused = False
+        except RedisConnectionError:
+            refused = True
+        publisher.reset(rid)  # resumed from what the stream holds: nothing, so from position 0
+        await publisher.publish(rid, [delta(0)])
+        positions = [chunk.position for _, chunk in await streams.reply_history(live, rid)]
+        await live.delete(p.reply_stream(rid))
+        await live.aclose()
+        return refused, positions
+
+    assert asyncio.run(scenario()) == (True, [0])

