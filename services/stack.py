@@ -1,4 +1,5 @@
-"""`tokenfleet up`: the whole stack as local processes on embedded defaults, stopped cleanly on Ctrl-C."""
+"""`tokenfleet up`: the whole stack as local processes on embedded defaults, each restarted if it exits
+(services/supervisor.py), all stopped cleanly on Ctrl-C."""
 
 from __future__ import annotations
 
@@ -14,38 +15,32 @@ from dataclasses import dataclass
 
 from services.redis_client import EmbeddedRedis
 from services.settings import GatewaySettings, RedisSettings, RouterSettings, cache_dir
+from services.supervisor import Service, Supervisor
 
 # The local stack's max_tokens for requests that set none: a reply, not the rest of an 8k context.
 LOCAL_MAX_TOKENS = 256
 
 
+def is_ready(url: str, models: set[str]) -> bool:
+    """The gateway at `url` answers and reports a live worker for each of `models`."""
+    try:
+        with urllib.request.urlopen(url + "/readyz", timeout=2) as response:
+            workers = json.loads(response.read())["workers"]
+    except OSError:
+        return False
+    return all(workers.get(m) for m in models)
+
+
 def wait_ready(url: str, models: set[str], procs: list[subprocess.Popen], timeout_s: float) -> bool:
-    """True once the gateway reports a live worker for each of `models`; False if a process exits first."""
+    """True once the stack `is_ready`; False if a process exits first."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if any(proc.poll() is not None for proc in procs):
             return False
-        try:
-            with urllib.request.urlopen(url + "/readyz", timeout=2) as response:
-                workers = json.loads(response.read())["workers"]
-                if all(workers.get(m) for m in models):
-                    return True
-        except OSError:
-            pass
+        if is_ready(url, models):
+            return True
         time.sleep(0.5)
     return False
-
-
-def stop(procs: list[subprocess.Popen], timeout_s: float = 40.0) -> None:
-    for proc in procs:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + timeout_s
-    for proc in procs:
-        try:
-            proc.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 @dataclass
@@ -53,12 +48,16 @@ class LocalStack:
     url: str
     api_key: str
     redis_url: str
-    procs: list[subprocess.Popen]
+    supervisor: Supervisor
     embedded: EmbeddedRedis | None
     env: dict[str, str]  # what every service was started with
 
+    @property
+    def procs(self) -> list[subprocess.Popen]:
+        return self.supervisor.procs
+
     def stop(self) -> None:
-        stop(self.procs)
+        self.supervisor.stop()
         if self.embedded is not None:
             self.embedded.close()
 
@@ -88,15 +87,18 @@ def start(host: str, port: int, workers: list[tuple[str, str]], env: dict[str, s
     env = {"TOKENFLEET_ACCOUNTING_PORT": str(port + 1), "TOKENFLEET_WORKER_DEFAULT_MAX_TOKENS": str(LOCAL_MAX_TOKENS),
            **os.environ, **(env or {}), "REDIS_URL": redis_url, "TOKENFLEET_GATEWAY_DEV_KEY": key}
     cli = [sys.executable, "-m", "services.cli"]
-    commands = [cli + ["gateway", "--host", host, "--port", str(port)], cli + ["router"], cli + ["accounting"],
-                cli + ["celery"]]
-    commands += [cli + ["worker", "--model", model, "--tier", tier] for model, tier in workers]
     # CPU workers share the machine: split its cores between them instead of oversubscribing (each torch
     # thread pool spin-waits, and two pools on the same cores slow both and the gateway with them).
     threads = env.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // len(workers)))
     workers_env = {**env, "OMP_NUM_THREADS": threads, **(worker_env or {})}
-    procs = [subprocess.Popen(command, env=workers_env if "worker" in command else env) for command in commands]
-    return LocalStack(f"http://{host}:{port}", key, redis_url, procs, embedded, env)
+    services = [Service("gateway", cli + ["gateway", "--host", host, "--port", str(port)], env),
+                Service("router", cli + ["router"], env), Service("accounting", cli + ["accounting"], env),
+                Service("celery", cli + ["celery"], env)]
+    services += [Service(f"worker {model} ({tier})", cli + ["worker", "--model", model, "--tier", tier], workers_env)
+                 for model, tier in workers]
+    supervisor = Supervisor(services)
+    supervisor.start()
+    return LocalStack(f"http://{host}:{port}", key, redis_url, supervisor, embedded, env)
 
 
 def _interrupt(signum, frame) -> None:
@@ -104,15 +106,20 @@ def _interrupt(signum, frame) -> None:
 
 
 def up(host: str, port: int, workers: list[tuple[str, str]], ready_timeout_s: float = 600.0) -> int:
-    """`workers`: (model, tier) pairs, one worker process each. Ctrl-C or SIGTERM (a service manager, `kill`)
-    stops them all, each draining as on its own SIGTERM."""
+    """`workers`: (model, tier) pairs, one worker process each. A service that exits is restarted; Ctrl-C or
+    SIGTERM (a service manager, `kill`) stops them all, each draining as on its own SIGTERM."""
     signal.signal(signal.SIGTERM, _interrupt)
     stack = start(host, port, workers)
-    url, key = stack.url, stack.api_key
+    url, key, models = stack.url, stack.api_key, {model for model, _ in workers}
     try:
-        if not wait_ready(url, {model for model, _ in workers}, stack.procs, ready_timeout_s):
-            print("tokenfleet: the stack did not become ready; stopping", file=sys.stderr)
-            return 1
+        deadline = time.monotonic() + ready_timeout_s
+        while not is_ready(url, models):
+            if not stack.supervisor.check():
+                return 1
+            if time.monotonic() > deadline:
+                print("tokenfleet: the stack did not become ready; stopping", file=sys.stderr)
+                return 1
+            time.sleep(0.5)
         print(f"\ntokenfleet is up: {url}/v1  (Redis {stack.redis_url})\n  API key: {key}  "
               f"(in {cache_dir() / 'dev-key'} unless TOKENFLEET_GATEWAY_DEV_KEY is set)\n"
               f"  models: {', '.join(sorted({model for model, _ in workers}))} (and auto)\n"
@@ -121,9 +128,8 @@ def up(host: str, port: int, workers: list[tuple[str, str]], ready_timeout_s: fl
               "-H 'Content-Type: application/json' -d '{\"model\": \"auto\", \"max_tokens\": 64, \"temperature\": 0, "
               "\"messages\": [{\"role\": \"user\", \"content\": \"What is the capital of France?\"}]}'\n"
               "Ctrl-C stops everything.", flush=True)
-        while all(proc.poll() is None for proc in stack.procs):
+        while stack.supervisor.check():
             time.sleep(0.5)
-        print("tokenfleet: a service exited; stopping the others", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 0

@@ -68,3 +68,27 @@ def test_up_serves_the_trained_default_model_on_embedded_redis_and_stops_everyth
     proc.send_signal(stop)
     assert proc.wait(60) == 0
     assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_up_restarts_a_killed_service_and_keeps_serving(up_process):
+    proc, port, _ = up_process
+    key = None
+    for line in proc.stdout:
+        if match := re.search(r"API key: (\S+)", line):
+            key = match.group(1)
+            break
+    [router] = [c for c in psutil.Process(proc.pid).children(recursive=True) if c.cmdline()[-1:] == ["router"]]
+    router.kill()
+    said = []
+    for line in proc.stdout:
+        if line.startswith("tokenfleet: "):
+            said.append(line.strip())
+        if line.startswith("tokenfleet: router restarted"):
+            break
+    assert said[0] == "tokenfleet: router exited with code -9; restarting it in 1 s", said
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, timeout=120)
+    reply = client.chat.completions.create(model="auto", temperature=0, max_tokens=8,
+                                           messages=[{"role": "user", "content": "What is the capital of France?"}])
+    assert reply.choices[0].message.content  # routed by the new router
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(60) == 0
