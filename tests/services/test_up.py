@@ -43,15 +43,18 @@ def up_process(cache_dir):
         proc.kill()
 
 
+def _printed_key(proc) -> str:
+    """The API key `tokenfleet up` prints once the stack is ready."""
+    for line in proc.stdout:
+        if match := re.search(r"API key: (\S+)", line):
+            return match.group(1)
+    raise AssertionError("tokenfleet up printed no key")
+
+
 @pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_up_serves_the_trained_default_model_on_embedded_redis_and_stops_everything_cleanly(up_process, stop):
     proc, port, cache = up_process
-    key = None
-    for line in proc.stdout:
-        if match := re.search(r"API key: (\S+)", line):
-            key = match.group(1)
-            break
-    assert key, "tokenfleet up printed no key"
+    key = _printed_key(proc)
     assert (cache / "dev-key").read_text().strip() == key  # where the README's examples read it
     children = psutil.Process(proc.pid).children(recursive=True)
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key)
@@ -72,11 +75,7 @@ def test_up_serves_the_trained_default_model_on_embedded_redis_and_stops_everyth
 
 def test_up_restarts_a_killed_service_and_keeps_serving(up_process):
     proc, port, _ = up_process
-    key = None
-    for line in proc.stdout:
-        if match := re.search(r"API key: (\S+)", line):
-            key = match.group(1)
-            break
+    key = _printed_key(proc)
     [router] = [c for c in psutil.Process(proc.pid).children(recursive=True) if c.cmdline()[-1:] == ["router"]]
     router.kill()
     said = []
