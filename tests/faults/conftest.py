@@ -58,6 +58,7 @@ class PrivateRedis:
 class FaultStack:
     redis: PrivateRedis
     url: str
+    second_url: str  # a second gateway, which a test may kill while the first one goes on
     env: dict[str, str]
     database_url: str
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
@@ -80,6 +81,21 @@ class FaultStack:
     def ledger(self, request_ids: set[str], timeout_s: float = 30) -> dict[str, dict]:
         """The ledger rows of `request_ids` (status, token counts), once the accounting service wrote them all
         or `timeout_s` passed."""
+        from services.accounting.models import LedgerRow
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            found = {row["request_id"]: row for row in self._rows(LedgerRow.request_id.in_(request_ids))}
+            if len(found) == len(request_ids) or time.monotonic() > deadline:
+                return found
+            time.sleep(0.2)
+
+    def ledger_of_tenant(self, tenant: str) -> list[dict]:
+        from services.accounting.models import LedgerRow
+
+        return self._rows(LedgerRow.tenant == tenant)
+
+    def _rows(self, where) -> list[dict]:
         from sqlalchemy import select
 
         from services.accounting import db
@@ -87,14 +103,8 @@ class FaultStack:
 
         engine = db.connect(self.database_url)
         try:
-            deadline = time.monotonic() + timeout_s
-            while True:
-                with engine.connect() as connection:
-                    rows = connection.execute(select(LedgerRow).where(LedgerRow.request_id.in_(request_ids))).all()
-                found = {row.request_id: row._asdict() for row in rows}
-                if len(found) == len(request_ids) or time.monotonic() > deadline:
-                    return found
-                time.sleep(0.2)
+            with engine.connect() as connection:
+                return [row._asdict() for row in connection.execute(select(LedgerRow).where(where)).all()]
         finally:
             engine.dispose()
 
@@ -103,14 +113,16 @@ class FaultStack:
 def fault_stack(new_database, tmp_path_factory):
     redis = PrivateRedis(tmp_path_factory.mktemp("redis"))
     redis.start()
-    port, database_url = _free_port(), new_database()
+    port, second_port, database_url = _free_port(), _free_port(), new_database()
     env = {**os.environ, **STACK_ENV, "REDIS_URL": redis.url, "DATABASE_URL": database_url,
-           "TOKENFLEET_ACCOUNTING_PORT": str(_free_port()), "OMP_NUM_THREADS": "2"}
-    stack = FaultStack(redis, f"http://127.0.0.1:{port}", env, database_url)
+           "TOKENFLEET_ACCOUNTING_PORT": str(_free_port())}
+    stack = FaultStack(redis, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{second_port}", env, database_url)
     stack.start("gateway", "gateway", "--port", str(port))
+    stack.start("gateway-2", "gateway", "--port", str(second_port))
     stack.start("router", "router")
     stack.start("accounting", "accounting")
     stack.start("worker", "worker", "--model", MODEL, "--tier", "small")
+    stack.start("worker-2", "worker", "--model", MODEL, "--tier", "small")
     try:
         assert wait_ready(stack.url, {MODEL}, list(stack.procs.values()), 300), "the stack did not come up"
         yield stack
@@ -122,6 +134,7 @@ def fault_stack(new_database, tmp_path_factory):
 
 @dataclass
 class StreamResult:
+    status: int = 0
     request_id: str | None = None
     tokens: int = 0  # tokens the client received (one logprobs entry each)
     usage_tokens: int | None = None  # what the final usage chunk said
@@ -129,14 +142,18 @@ class StreamResult:
     done: bool = False  # ended with [DONE]
 
 
-def stream_completion(url: str, prompt: str, max_tokens: int, timeout_s: float = 180) -> StreamResult:
-    """A streamed completion read as raw SSE, so an error event, a missing [DONE] or a cut connection shows."""
+def stream_completion(url: str, prompt: str, max_tokens: int, api_key: str = API_KEY,
+                      timeout_s: float = 180) -> StreamResult:
+    """A streamed completion read as raw SSE, so an error event, a missing [DONE] or a cut connection shows
+    (the last as httpx's error)."""
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "temperature": 0,
             "ignore_eos": True, "logprobs": 0, "stream_options": {"include_usage": True}}
-    result = StreamResult()
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=timeout_s,
-                      headers={"Authorization": f"Bearer {API_KEY}"}) as response:
-        assert response.status_code == 200, response.read()
+                      headers={"Authorization": f"Bearer {api_key}"}) as response:
+        result = StreamResult(response.status_code)
+        if response.status_code != 200:
+            result.error = json.loads(response.read())["error"]
+            return result
         for line in response.iter_lines():
             if not line.startswith("data: "):
                 continue

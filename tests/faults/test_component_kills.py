@@ -1,0 +1,111 @@
+"""Each component SIGKILLed in turn under a steady load (router, one of two workers, accounting, one of two
+gateways), the dead one started again: every request a surviving gateway accepted completes exactly once with
+all its tokens, the ledger has one row per finished request with the tokens the client got, and every budget
+reservation is settled to the ledger's cost."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+
+from gateway.auth import authenticate, register_key
+from gateway.budgets import budget_state, reservation_key
+from services.redis_client import connect
+from services.stack import wait_ready
+from tests.faults.conftest import StreamResult, stream_completion
+from tests.services.conftest import MODEL
+
+CLIENTS = 6
+MAX_TOKENS = 48
+
+
+def _budgeted_key(redis_url: str) -> str:
+    async def create() -> str:
+        redis = connect(redis_url)
+        try:
+            return await register_key(redis, "fault-tenant", budget_usd=1000.0)
+        finally:
+            await redis.aclose()
+
+    return asyncio.run(create())
+
+
+def _budget(redis_url: str, key: str):
+    async def read():
+        redis = connect(redis_url)
+        try:
+            return await budget_state(redis, await authenticate(redis, f"Bearer {key}"))
+        finally:
+            await redis.aclose()
+
+    return asyncio.run(read())
+
+
+class Load:
+    """`CLIENTS` clients sending streamed completions back to back, alternating between the two gateways,
+    until stopped. A request whose gateway died under it is recorded as cut (by that gateway, not lost)."""
+
+    def __init__(self, stack, key: str):
+        self.stack, self.key = stack, key
+        self.stopping = threading.Event()
+        self.results: list[tuple[str, StreamResult]] = []
+        self.cut: list[str] = []
+
+    def client(self, n: int) -> None:
+        i = 0
+        while not self.stopping.is_set():
+            url = (self.stack.url, self.stack.second_url)[(n + i) % 2]
+            i += 1
+            try:
+                self.results.append((url, stream_completion(url, f"Client {n} request {i}:", MAX_TOKENS, self.key)))
+            except httpx.TransportError:
+                self.cut.append(url)
+                time.sleep(0.2)
+
+
+def test_killing_each_component_in_turn_loses_and_repeats_nothing(fault_stack):
+    key = _budgeted_key(fault_stack.redis.url)
+    load = Load(fault_stack, key)
+    with ThreadPoolExecutor(CLIENTS) as pool:
+        clients = [pool.submit(load.client, n) for n in range(CLIENTS)]
+        time.sleep(4)
+        for name in ("router", "worker", "accounting", "gateway-2"):
+            proc = fault_stack.procs[name]
+            proc.kill()
+            proc.wait()
+            time.sleep(1.5)
+            if name != "worker":  # the other worker carries the load (and adopts the dead one's inbox)
+                fault_stack.start(name, *proc.args[3:])
+            time.sleep(5)
+        time.sleep(3)
+        load.stopping.set()
+        for client in clients:
+            client.result(timeout=240)
+
+    accepted = [(url, r) for url, r in load.results if r.status == 200]
+    survived = [r for url, r in accepted if url == fault_stack.url]
+    assert len(survived) >= 20 and all(url == fault_stack.second_url for url in load.cut)
+    for result in [r for _, r in accepted]:  # every token once, the whole completion: no error, no repeat
+        assert result.done and result.error is None and result.tokens == result.usage_tokens == MAX_TOKENS, result
+    assert wait_ready(fault_stack.second_url, {MODEL}, [], 60)  # the restarted gateway serves again
+    assert stream_completion(fault_stack.second_url, "After the kills:", 4, key).done
+    ledger = fault_stack.ledger({r.request_id for _, r in accepted}, timeout_s=60)
+    assert len(ledger) == len(accepted)
+    assert all(row["status"] == "ok" and row["completion_tokens"] == MAX_TOKENS for row in ledger.values())
+
+    r = fault_stack.redis.client()
+    deadline = time.monotonic() + 30
+    while any(r.exists(reservation_key(rid)) for rid in ledger):
+        assert time.monotonic() < deadline, "a finished request's budget reservation was never settled"
+        time.sleep(0.3)
+    deadline = time.monotonic() + 30
+    while True:  # what the killed gateway's clients lost ran on, and is charged and settled as it finishes
+        charged = sum(float(row["list_cost_usd"]) for row in fault_stack.ledger_of_tenant("fault-tenant"))
+        if abs(_budget(fault_stack.redis.url, key).spent_usd - charged) < 1e-6:
+            break
+        assert time.monotonic() < deadline, "the budget's spending is not the ledger's cost"
+        time.sleep(0.5)
