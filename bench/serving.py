@@ -42,6 +42,7 @@ class RequestResult:
     itl_s: list[float] = field(default_factory=list)  # gaps between consecutive content chunks
     e2e_s: float = 0.0
     server: dict | None = None  # the gateway's `tokenfleet` timing field, if any
+    response_id: str | None = None  # the chunks' `id` (ours: chatcmpl-<request id>)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -217,6 +218,7 @@ def _read_chunk(r: RequestResult, chunk: dict, now: float, last: float | None) -
         r.output_tokens = chunk["usage"].get("completion_tokens", r.output_tokens)
     if "tokenfleet" in chunk:
         r.server = chunk["tokenfleet"]
+    r.response_id = r.response_id or chunk.get("id")
     if not _chunk_text(chunk):
         return last
     if last is None:

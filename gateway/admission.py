@@ -7,12 +7,15 @@ import time
 
 import redis.asyncio as aioredis
 
+from gateway.context_window import ContextWindow
 from gateway.schemas import RequestError
+from gpu_worker.engine.errors import CONTEXT_LENGTH_EXCEEDED
 from services import protocol as p
 from services.settings import GatewaySettings, RouterSettings
 
 # The codes of the refusals below: a request refused with one was never enqueued.
-REFUSALS = frozenset({"model_not_found", "no_worker", "queue_full", "invalid_value", "accounting_backlog"})
+REFUSALS = frozenset({"model_not_found", "no_worker", "queue_full", "invalid_value", "accounting_backlog",
+                      CONTEXT_LENGTH_EXCEEDED})
 
 
 def inflight_key(model: str) -> str:
@@ -49,10 +52,11 @@ return {0, 0}
 
 class Admission:
     def __init__(self, redis: aioredis.Redis, settings: GatewaySettings, tiers: RouterSettings,
-                 max_events_backlog: int):
+                 max_events_backlog: int, context: ContextWindow | None = None):
         """`max_events_backlog`: completion events not yet trimmed past which work is refused (503): the
         accounting service is down or behind, and the events stream is never trimmed of unrecorded events."""
         self.redis, self.settings, self.max_events_backlog = redis, settings, max_events_backlog
+        self.context = context or ContextWindow()
         self.tiers = (tiers.small_model, tiers.large_model)
         self._admit = redis.register_script(_ADMIT)
 
@@ -61,9 +65,10 @@ class Admission:
         counts against both tiers' queues (one model's queue is one bound, whatever the requests named)."""
         return list(dict.fromkeys(self.tiers)) if model == p.AUTO_MODEL else [model]
 
-    async def admit(self, model: str, request_id: str, max_tokens: int | None = None) -> None:
+    async def admit(self, message: p.GenerateRequest) -> None:
         """Raises `RequestError` (400, 404, 503 or 429 with Retry-After); else counts the request in flight.
         One round trip reads the served models and live workers; a script admits against the queue depth."""
+        model, max_tokens = message.model, message.sampling.max_tokens
         candidates, now = self._candidates(model), time.time()
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.hgetall(p.MODELS_KEY)
@@ -80,6 +85,7 @@ class Admission:
             raise RequestError(p.ErrorBody(message=f"max_tokens is too large: {max_tokens}. The model '{model}' has "
                                                    f"a context of {longest} tokens, prompt included",
                                            param="max_tokens", code="invalid_value"))
+        await self.context.check(message, served)
         if not any(n for c, n in zip(candidates, alive, strict=True) if c in served):
             raise self._refusal(503, f"no worker of model '{model}' is alive; retry shortly", "no_worker")
         if backlog >= self.max_events_backlog:
@@ -87,7 +93,7 @@ class Admission:
                                 "accounting_backlog")
         full, depth = await self._admit(keys=[inflight_key(c) for c in candidates],
                                         args=[now, now - self.settings.request_timeout_s,
-                                              self.settings.max_queue_depth, request_id])
+                                              self.settings.max_queue_depth, message.request_id])
         if full:
             raise self._refusal(429, f"model '{candidates[full - 1]}' has {depth} requests in flight (limit "
                                      f"{self.settings.max_queue_depth}); retry later", "queue_full")

@@ -2,11 +2,17 @@
 `p.BATCH_TTL_S` and scoped to the API key's tenant (another tenant's ids answer 404, as unknown ones do).
 
 The gateway only validates and records; the lines run in a Celery job on the low-priority batch queue
-(services/accounting/batch_jobs.py), which writes the output and error files back here."""
+(services/accounting/batch_jobs.py), which writes the output and error files back here.
+
+A batch not finished by its `expires_at` (created_at + TOKENFLEET_GATEWAY_BATCH_COMPLETION_WINDOW_S, OpenAI's
+"24h") expires, as OpenAI's do: the lines answered stay in its output and error files, the others are not run
+and appear in the error file as `batch_expired`. `expire_if_due` does it, called by the job at its deadline and
+by every read of the batch (get, list, cancel), so the deadline holds with the job dead or no Celery worker up."""
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import time
 import uuid
@@ -24,12 +30,18 @@ from gateway.request_body import load_json
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, RequestError, parse
 from services import protocol as p
 from services.redis_client import as_text
+from services.settings import GatewaySettings
 
 ENDPOINTS = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest}
-COMPLETION_WINDOW_S = 24 * 3600
 MAX_FILE_BYTES = 100 << 20  # a file lives in one Redis value
 MAX_FILE_LINES = 50_000  # requests in one batch, as OpenAI allows
 ACTIVE = ("validating", "in_progress")
+FINAL = ("completed", "failed", "cancelled", "expired")
+UNFINISHED = (*ACTIVE, "cancelling")  # what expires when its window ends ("finalizing" is an expiry under way)
+# An expiry whose writer has not finished this long after it began (it died) is finished by the next reader.
+EXPIRY_TAKEOVER_S = 60
+EXPIRED_ERROR = {"code": "batch_expired",
+                 "message": "The request could not be executed before the batch's completion window ended."}
 # A compare-and-set on a batch's status: the job and a cancel write the same record from two processes.
 _TRANSITION = """
 local current = redis.call('HGET', KEYS[1], 'status')
@@ -148,14 +160,75 @@ async def request_counts(redis: aioredis.Redis, batch: dict) -> dict:
     return {"total": batch["request_counts"]["total"], "completed": completed, "failed": failed}
 
 
+def line_request_id(batch_id: str, custom_id: str) -> str:
+    """A line's request id (`batch_req_<id>` in its output), the same in every run of the batch's job."""
+    return hashlib.sha256(f"{batch_id}\0{custom_id}".encode()).hexdigest()[:32]
+
+
+async def input_order(redis: aioredis.Redis, batch: dict) -> list[str]:
+    """The custom_ids of the batch's input file, in file order ([] once the file has expired)."""
+    file = await load_file(redis, batch["input_file_id"])
+    return [line.custom_id for line in read_lines(file["content"])] if file else []
+
+
+async def store_results(redis: aioredis.Redis, batch: dict, order: list[str]) -> dict[str, str]:
+    """The output and error files from the job's result hashes (lines in input order); returns the batch's
+    `output_file_id` / `error_file_id` fields for those that have lines."""
+    files = {}
+    for field, key, name in (("output_file_id", p.batch_output_key(batch["id"]), "output"),
+                             ("error_file_id", p.batch_errors_key(batch["id"]), "errors")):
+        results = {as_text(k): as_text(v) for k, v in (await redis.hgetall(key)).items()}
+        if results:
+            content = "".join(results[c] + "\n" for c in order if c in results).encode()
+            meta = await store_file(redis, batch["tenant"], content, f"{batch['id']}_{name}.jsonl", "batch_output")
+            files[field] = meta["id"]
+    return files
+
+
+async def expire_if_due(redis: aioredis.Redis, batch: dict, now: float | None = None) -> dict:
+    """The batch, expired first if its window ended (`now` >= `expires_at`) before it reached a final state.
+
+    Two steps, so that the files hold exactly what was answered in time: (1) a compare-and-set to `finalizing`
+    with `expired_at` freezes the results (the job records a line only while the batch is `in_progress` or
+    `cancelling`) and makes this caller the one that writes; (2) the lines with no result are recorded as
+    `batch_expired` errors, the files are written, and the batch becomes `expired`. Step 2 is idempotent: an
+    expiry whose writer died is finished by the first read after EXPIRY_TAKEOVER_S."""
+    now = int(time.time() if now is None else now)
+    if batch["status"] in FINAL or now < batch["expires_at"]:
+        return batch
+    if not await transition(redis, batch["id"], UNFINISHED, status="finalizing", expired_at=now, finalizing_at=now):
+        batch = await load_batch(redis, batch["id"]) or batch
+        if not (batch["status"] == "finalizing" and batch["expired_at"] is not None
+                and now - batch["finalizing_at"] >= EXPIRY_TAKEOVER_S):
+            return batch  # final meanwhile, or another process is expiring it now
+    order = await input_order(redis, batch)
+    async with redis.pipeline(transaction=False) as pipe:
+        pipe.hkeys(p.batch_output_key(batch["id"]))
+        pipe.hkeys(p.batch_errors_key(batch["id"]))
+        answered = {as_text(custom_id) for keys in await pipe.execute() for custom_id in keys}
+    unrun = {c: json.dumps({"id": f"batch_req_{line_request_id(batch['id'], c)}", "custom_id": c,
+                            "response": None, "error": EXPIRED_ERROR}) for c in order if c not in answered}
+    if unrun:
+        async with redis.pipeline(transaction=True) as pipe:
+            pipe.hset(p.batch_errors_key(batch["id"]), mapping=unrun)
+            pipe.expire(p.batch_errors_key(batch["id"]), p.BATCH_TTL_S)
+            await pipe.execute()
+    await transition(redis, batch["id"], ("finalizing",), status="expired",
+                     **await store_results(redis, batch, order))
+    return await load_batch(redis, batch["id"]) or batch
+
+
 class Batches:
-    """The handlers. `submit(batch_id)` hands a new batch to the job that runs it."""
+    """The handlers. `submit(batch_id)` hands a new batch to the job that runs it; a batch expires
+    `completion_window_s` after its creation (default: TOKENFLEET_GATEWAY_BATCH_COMPLETION_WINDOW_S)."""
 
     PRIVATE = ("tenant", "key")  # record fields for the job, never shown
 
     def __init__(self, redis: aioredis.Redis, authenticated: Callable[[Request], Awaitable[ApiKey]],
-                 submit: Callable[[str], Awaitable[None]] | None):
+                 submit: Callable[[str], Awaitable[None]] | None, completion_window_s: int | None = None):
         self.redis, self.authenticated, self.submit = redis, authenticated, submit
+        self.completion_window_s = (GatewaySettings().batch_completion_window_s if completion_window_s is None
+                                    else completion_window_s)
 
     async def upload_file(self, request: Request) -> dict:
         api_key = await self.authenticated(request)
@@ -206,7 +279,7 @@ class Batches:
         batch = {"id": f"batch_{uuid.uuid4().hex}", "object": "batch", "endpoint": body["endpoint"], "errors": None,
                  "input_file_id": file["meta"]["id"], "completion_window": "24h", "status": "validating",
                  "output_file_id": None, "error_file_id": None, "created_at": now, "in_progress_at": None,
-                 "expires_at": now + COMPLETION_WINDOW_S, "finalizing_at": None, "completed_at": None,
+                 "expires_at": now + self.completion_window_s, "finalizing_at": None, "completed_at": None,
                  "failed_at": None, "expired_at": None, "cancelling_at": None, "cancelled_at": None,
                  "request_counts": {"total": int(file["lines"]), "completed": 0, "failed": 0},
                  "metadata": body.get("metadata"), "tenant": api_key.name,
@@ -237,7 +310,7 @@ class Batches:
         batch = await load_batch(self.redis, batch_id)
         if batch is None or batch["tenant"] != api_key.name:
             raise _not_found("batch", batch_id)
-        return batch
+        return await expire_if_due(self.redis, batch)
 
     async def _view(self, batch: dict) -> dict:
         return self._public({**batch, "request_counts": await request_counts(self.redis, batch)})
@@ -247,7 +320,7 @@ class Batches:
 
     async def cancel_batch(self, request: Request, batch_id: str) -> dict:
         """The job stops submitting lines once it sees `cancelling`, then finalizes the batch as cancelled."""
-        await self._batch(request, batch_id)  # 404 unless the caller's
+        await self._batch(request, batch_id)  # 404 unless the caller's; expired first if past its window
         await transition(self.redis, batch_id, ACTIVE, status="cancelling", cancelling_at=int(time.time()))
         return await self._view(await load_batch(self.redis, batch_id))
 
@@ -257,7 +330,7 @@ class Batches:
         ids = [as_text(i) for i in await self.redis.zrevrange(p.batches_key(api_key.name), 0, -1)]
         if after in ids:
             ids = ids[ids.index(after) + 1:]
-        data = [await self._view(b) for i in ids[:max(1, min(limit, 100)) + 1]
+        data = [await self._view(await expire_if_due(self.redis, b)) for i in ids[:max(1, min(limit, 100)) + 1]
                 if (b := await load_batch(self.redis, i)) is not None]
         page = data[:max(1, min(limit, 100))]
         return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,

@@ -39,7 +39,7 @@ class Relay:
         """`idempotency_record`: (key hash, Idempotency-Key) under which to keep the whole response."""
         rid = message.request_id
         try:
-            await self.admission.admit(req.model, rid, message.sampling.max_tokens)
+            await self.admission.admit(message)
         except RequestError:
             if idempotency_record:
                 await self.idempotency.forget(*idempotency_record)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from gpu_worker.engine import CompletionOutput, InvalidRequestError, LLMEngine, ResumedChoice, SamplingParams
+from gpu_worker.engine.errors import CONTEXT_LENGTH_EXCEEDED
 from services import protocol as p
 
 
@@ -25,7 +26,7 @@ def sampling_params(engine: LLMEngine, request: p.GenerateRequest, num_prompt_to
     elif options["max_tokens"] > room:
         raise InvalidRequestError(
             f"this model's context is {engine.max_model_len} tokens; the prompt has {num_prompt_tokens} and "
-            f"max_tokens asks for {options['max_tokens']} more", "max_tokens")
+            f"max_tokens asks for {options['max_tokens']} more", "max_tokens", CONTEXT_LENGTH_EXCEEDED)
     return SamplingParams(**options)
 
 

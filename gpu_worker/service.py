@@ -198,10 +198,11 @@ class Worker:
         try:
             ids = prompt_ids(engine, request)
             params = sampling_params(engine, request, len(ids), self.settings.default_max_tokens)
-        except InvalidRequestError as err:
-            error = p.ErrorBody(message=str(err), param=err.param, code="invalid_request", status=400)
+        except InvalidRequestError as err:  # the client's fault: "rejected", kept out of SLA attainment
+            param = "messages" if request.kind == "chat" and err.param == "prompt" else err.param
+            error = p.ErrorBody(message=str(err), param=param, code=err.code or "invalid_request", status=400)
             await self._close(delivery, rid, [p.ReplyChunk(kind="error", error=error, worker_id=self.worker_id)],
-                              self._abandoned(request, "error"))
+                              self._abandoned(request, "rejected"))
             return
         if history.started is None:
             started = p.ReplyChunk(kind="started", worker_id=self.worker_id, model=self.info.name,

@@ -273,7 +273,9 @@ class ErrorBody(BaseModel):
 ReplyChunk.model_rebuild()
 
 
-TaskStatus = Literal["ok", "error", "cancelled", "dead-lettered"]
+# "rejected": refused for the client's own fault (a prompt past the context, a bad parameter); its own status,
+# so that SLA attainment and goodput count only what the service could have served.
+TaskStatus = Literal["ok", "error", "cancelled", "dead-lettered", "rejected"]
 
 
 class CompletionEvent(Message):

@@ -57,6 +57,7 @@ class GatewaySettings(BaseSettings):
     request_timeout_s: float = 600.0  # no reply for this long: 504
     dev_key: str | None = None  # registered at start-up when set (`tokenfleet up` sets one)
     max_body_bytes: int = 4 << 20  # a request body past this is refused (413) before it is read whole
+    batch_completion_window_s: int = 24 * 3600  # a batch unfinished this long after its creation expires ("24h")
 
 
 class RouterSettings(BaseSettings):

@@ -13,7 +13,7 @@ from .checkpoint import Checkpoint, open_checkpoint
 from .config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .draft_proposer import DraftModelProposer
-from .errors import InvalidRequestError, ModelLoadError
+from .errors import CONTEXT_LENGTH_EXCEEDED, InvalidRequestError, ModelLoadError
 from .kv_cache_format import kv_cache_format
 from .kv_cache_manager import KVCacheManager
 from .linear import Linear
@@ -165,7 +165,7 @@ class LLMEngine:
         if len(ids) >= self.max_model_len:
             raise InvalidRequestError(
                 f"prompt has {len(ids)} tokens; this model's context is {self.max_model_len} tokens "
-                "and at least one must be left for the completion", "prompt")
+                "and at least one must be left for the completion", "prompt", CONTEXT_LENGTH_EXCEEDED)
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in ids):
             raise InvalidRequestError(f"prompt token ids must lie in [0, {vocab})", "prompt")

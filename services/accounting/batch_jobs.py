@@ -8,13 +8,19 @@ requests. At most `max_in_flight` lines are in the stack at once, and each passe
 
 Idempotent: each line's result is recorded by custom_id as it ends (`p.batch_output_key`, `p.batch_errors_key`),
 and a line's request id is derived from the batch and custom_id, so a job re-run after a crash skips the lines
-answered and follows, rather than resubmits, a line whose request is still in the stack."""
+answered and follows, rather than resubmits, a line whose request is still in the stack.
+
+The batch's window: at its `expires_at` the job stops its lines in flight (each request is cancelled in the stack)
+and expires the batch (`gateway.batches.expire_if_due`): the lines answered stay in its files, the others are
+`batch_expired` errors. A job that starts past the deadline (it waited in the queue, or re-runs after a crash)
+runs nothing. A result is recorded only while the batch is `in_progress` or `cancelling`, so nothing lands
+after an expiry froze the results."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
-import hashlib
 import json
 import logging
 import time
@@ -23,7 +29,19 @@ import redis.asyncio as aioredis
 
 from gateway.admission import Admission
 from gateway.auth import key_by_hash, prefix_scope
-from gateway.batches import ACTIVE, BatchLine, load_batch, load_file, read_lines, request_counts, store_file, transition
+from gateway.batches import (
+    ACTIVE,
+    BatchLine,
+    expire_if_due,
+    input_order,
+    line_request_id,
+    load_batch,
+    load_file,
+    read_lines,
+    request_counts,
+    store_results,
+    transition,
+)
 from gateway.budgets import Budgets, Estimator
 from gateway.render import ResponseBuilder
 from gateway.schemas import RequestError, cache_mode
@@ -36,6 +54,14 @@ from services.streams import follow_replies, signal_cancel
 log = logging.getLogger(__name__)
 MAX_IN_FLIGHT = 8
 BATCH_SLA_CLASS = "batch"
+# A line's result, written only while the batch's job may still record (an expiry freezes the results).
+_RECORD = """
+local status = redis.call('HGET', KEYS[1], 'status')
+if status ~= ARGV[1] and status ~= ARGV[2] then return 0 end
+redis.call('HSET', KEYS[2], ARGV[3], ARGV[4])
+redis.call('EXPIRE', KEYS[2], ARGV[5])
+return 1
+"""
 
 
 def run_batch(redis_url: str, batch_id: str, max_in_flight: int = MAX_IN_FLIGHT) -> dict:
@@ -51,13 +77,10 @@ def run_batch(redis_url: str, batch_id: str, max_in_flight: int = MAX_IN_FLIGHT)
     return asyncio.run(main())
 
 
-def line_request_id(batch_id: str, custom_id: str) -> str:
-    return hashlib.sha256(f"{batch_id}\0{custom_id}".encode()).hexdigest()[:32]
-
-
 class BatchJob:
     def __init__(self, redis: aioredis.Redis, batch_id: str, max_in_flight: int):
         self.redis, self.batch_id, self.max_in_flight = redis, batch_id, max_in_flight
+        self.window_ended = False  # set when the batch's window ends with lines in flight
         self.gateway, self.streams = GatewaySettings(), StreamSettings()
         tiers = RouterSettings()
         self.admission = Admission(redis, self.gateway, tiers, self.streams.events_max_backlog)
@@ -71,6 +94,7 @@ class BatchJob:
         if batch is None:  # expired before a worker got to it
             log.warning("batch %s is gone", self.batch_id)
             return {}
+        batch = await expire_if_due(self.redis, batch)  # its window ended while the job waited: nothing runs
         now = int(time.time())
         started = await transition(self.redis, self.batch_id, ACTIVE, status="in_progress",
                                    in_progress_at=batch["in_progress_at"] or now)
@@ -80,11 +104,17 @@ class BatchJob:
                 await self._fail(batch, "file_not_found", f"the input file {batch['input_file_id']} has expired")
                 return await request_counts(self.redis, batch)
             await self._run_lines(batch, read_lines(file["content"]))
-        if batch["status"] not in ("completed", "failed", "cancelled", "expired"):
-            await self._finalize(await load_batch(self.redis, self.batch_id))
+        batch = await load_batch(self.redis, self.batch_id) or batch
+        # at the deadline by this host's timer, even if its clock reads a hair before `expires_at`
+        batch = await expire_if_due(self.redis, batch,
+                                    max(time.time(), batch["expires_at"]) if self.window_ended else None)
+        if batch["status"] in ("in_progress", "cancelling"):
+            await self._finalize(batch)
         return await request_counts(self.redis, batch)
 
     async def _run_lines(self, batch: dict, lines: list[BatchLine]) -> None:
+        """Runs the lines not yet answered until they are, the batch is no longer in progress, or its window
+        ends (`window_ended`: the lines in flight then are cancelled)."""
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.hkeys(p.batch_output_key(self.batch_id))
             pipe.hkeys(p.batch_errors_key(self.batch_id))
@@ -98,7 +128,13 @@ class BatchJob:
                     return
                 await self._record(line, *await self._answer(batch["key"], line))
 
-        await asyncio.gather(*(lane() for _ in range(self.max_in_flight)))
+        lanes = asyncio.gather(*(lane() for _ in range(self.max_in_flight)))
+        done, _ = await asyncio.wait([lanes], timeout=max(0.0, batch["expires_at"] - time.time()))
+        if not done:  # the window ended first
+            self.window_ended = True
+            lanes.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await lanes
 
     async def _cancel(self, request_id: str) -> None:
         async with self.redis.pipeline(transaction=False) as pipe:
@@ -114,6 +150,10 @@ class BatchJob:
         out = {"id": f"batch_req_{rid}", "custom_id": line.custom_id}
         try:
             body = await self._generate(key, line, rid)
+        except asyncio.CancelledError:
+            if self.window_ended:  # stop the request in the stack, so it is neither run nor billed
+                await self._cancel(rid)
+            raise
         except RequestError as exc:
             return False, {**out, "response": {"status_code": exc.error.status, "request_id": rid,
                                                "body": exc.error.openai()}, "error": None}
@@ -139,8 +179,8 @@ class BatchJob:
             if api_key.budget_usd is not None:
                 await self.budgets.admit(dataclasses.replace(api_key, rpm=None, tpm=None), message)
             try:
-                await self._admit(req.model, rid, message.sampling.max_tokens)
-            except RequestError:
+                await self._admit(message)
+            except (RequestError, asyncio.CancelledError):  # never enqueued: its reservation goes back
                 await self.budgets.release(rid)
                 raise
             await self.redis.xadd(p.REQUESTS_STREAM, message.encode(), maxlen=self.streams.stream_maxlen,
@@ -150,12 +190,12 @@ class BatchJob:
         finally:
             await self.admission.release(req.model, rid)
 
-    async def _admit(self, model: str, rid: str, max_tokens: int | None) -> None:
+    async def _admit(self, message: p.GenerateRequest) -> None:
         """The gateway's admission; a full queue or no live worker is waited out (up to the request timeout)."""
         deadline = time.monotonic() + self.gateway.request_timeout_s
         while True:
             try:
-                return await self.admission.admit(model, rid, max_tokens)
+                return await self.admission.admit(message)
             except RequestError as exc:
                 if exc.error.code not in ("queue_full", "no_worker") or time.monotonic() > deadline:
                     raise
@@ -180,26 +220,14 @@ class BatchJob:
 
     async def _record(self, line: BatchLine, succeeded: bool, output: dict) -> None:
         key = p.batch_output_key(self.batch_id) if succeeded else p.batch_errors_key(self.batch_id)
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hset(key, line.custom_id, json.dumps(output))
-            pipe.expire(key, p.BATCH_TTL_S)
-            await pipe.execute()
+        await self.redis.eval(_RECORD, 2, p.batch_key(self.batch_id), key, json.dumps("in_progress"),
+                              json.dumps("cancelling"), line.custom_id, json.dumps(output), p.BATCH_TTL_S)
 
     async def _finalize(self, batch: dict) -> None:
         """The output and error files (lines in input order), then the final status: cancelled if a cancel
         came, else completed."""
         await transition(self.redis, self.batch_id, ("in_progress", "cancelling"), finalizing_at=int(time.time()))
-        file = await load_file(self.redis, batch["input_file_id"])
-        order = [line.custom_id for line in read_lines(file["content"])] if file else []
-        files = {}
-        for field, key, name in (("output_file_id", p.batch_output_key(self.batch_id), "output"),
-                                 ("error_file_id", p.batch_errors_key(self.batch_id), "errors")):
-            results = await self.redis.hgetall(key)
-            if results:
-                content = "".join(results[c] + "\n" for c in order if c in results).encode()
-                meta = await store_file(self.redis, batch["tenant"], content, f"{self.batch_id}_{name}.jsonl",
-                                        "batch_output")
-                files[field] = meta["id"]
+        files = await store_results(self.redis, batch, await input_order(self.redis, batch))
         now = int(time.time())
         if not await transition(self.redis, self.batch_id, ("in_progress",), status="completed", completed_at=now,
                                 **files):

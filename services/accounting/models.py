@@ -44,7 +44,7 @@ class LedgerRow(Base):
     measured_cost_usd: Mapped[Decimal] = mapped_column(Money)
     sla_class: Mapped[str] = mapped_column(String(32))
     sla_met: Mapped[bool] = mapped_column(Boolean)
-    status: Mapped[str] = mapped_column(String(16))  # ok / error / cancelled / dead-lettered
+    status: Mapped[str] = mapped_column(String(16))  # ok / error / cancelled / dead-lettered / rejected
     enqueued_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     finished_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
 
@@ -65,8 +65,9 @@ class LedgerRollup(Base):
     bucket_start: Mapped[datetime] = mapped_column(DateTime(timezone=True), primary_key=True)
     tenant: Mapped[str] = mapped_column(String(128), primary_key=True)
     model: Mapped[str] = mapped_column(String(128), primary_key=True)
-    tasks: Mapped[int] = mapped_column(Integer)
+    tasks: Mapped[int] = mapped_column(Integer)  # those the SLA counts: all but the rejected
     ok_tasks: Mapped[int] = mapped_column(Integer)
+    rejected: Mapped[int] = mapped_column(Integer, server_default="0")  # tasks refused for the client's own fault
     # A day of one busy tenant can pass 2^31 tokens
     prompt_tokens: Mapped[int] = mapped_column(BigInteger)
     cached_tokens: Mapped[int] = mapped_column(BigInteger)

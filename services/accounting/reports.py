@@ -1,6 +1,7 @@
 """The finance API's queries on the ledger: plain functions of an engine and a filter, SQLAlchemy 2.x selects
-that run on PostgreSQL and SQLite alike. Aggregation stays in the database except latency percentiles (SQLite
-has none), computed here from the ok tasks' timings.
+that run on PostgreSQL and SQLite alike. Aggregation stays in the database, latency percentiles included
+(PostgreSQL's percentile_cont; on SQLite, which has none, a window function picks the values to interpolate), so
+a report's memory does not grow with the rows it covers.
 
 Money comes back as `Decimal`; `jsonable` and `csv_chunks` write it as decimal strings (never floats, which
 would round a 12-decimal cost) and times as ISO-8601 in UTC."""
@@ -16,7 +17,7 @@ from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any, Literal
 
-from sqlalchemy import ColumnElement, Engine, case, func, literal_column, select
+from sqlalchemy import ColumnElement, Connection, Engine, Integer, case, cast, func, literal_column, or_, select
 
 from services.accounting.models import LedgerRow
 from services.accounting.sla import Attainment, percentiles
@@ -27,6 +28,10 @@ PER_TOKENS = Decimal(1_000_000)
 PER_TOKENS_QUANTUM = Decimal("1e-6")  # cost per 1 M tokens, to the micro-dollar
 EXPORT_BATCH = 1000
 Bucket = Literal["hour", "day"]
+GROUP = (LedgerRow.model, LedgerRow.sla_class)  # the goodput report's groups
+LATENCIES = (LedgerRow.ttft_s, LedgerRow.tpot_s)
+PERCENTILES = (50, 95, 99)  # as `sla.percentiles` reports them: {"p50": .., "p95": .., "p99": ..}
+REJECTED = "rejected"  # the status of a task refused for the client's own fault: not counted against the SLA
 
 
 def utc(value: datetime) -> datetime:
@@ -185,26 +190,85 @@ def _bucket_start(value: datetime | str) -> datetime:
 
 def goodput(engine: Engine, filters: LedgerFilter) -> list[dict[str, Any]]:
     """Per model and SLA class over the filter's window: tasks, met, attainment (met / tasks), goodput (met per
-    second of the window) and TTFT and TPOT percentiles of the tasks that finished ok."""
+    second of the window), the ok and the rejected tasks, and TTFT and TPOT percentiles of the tasks that finished
+    ok. A rejected task (refused for the client's own fault) is counted apart: not in tasks, met, attainment or
+    goodput, which measure the service."""
     window_s = filters.window_s
-    keys = (LedgerRow.model, LedgerRow.sla_class)
-    counts = select(*keys, func.count().label("tasks"),
-                    func.sum(case((LedgerRow.sla_met, 1), else_=0)).label("met"),
-                    func.sum(case((LedgerRow.status == "ok", 1), else_=0)).label("ok"),
-                    ).where(*filters.where()).group_by(*keys).order_by(*keys)
-    timings = select(*keys, LedgerRow.ttft_s, LedgerRow.tpot_s).where(*filters.where(), LedgerRow.status == "ok")
-    latencies: dict[tuple[str, str], tuple[list[float], list[float]]] = defaultdict(lambda: ([], []))
+    served = LedgerRow.status != REJECTED
+    counts = select(*GROUP, _count(served).label("tasks"), _count(served & LedgerRow.sla_met).label("met"),
+                    _count(LedgerRow.status == "ok").label("ok"), _count(~served).label("rejected"),
+                    ).where(*filters.where()).group_by(*GROUP).order_by(*GROUP)
     with engine.connect() as connection:
         groups = list(connection.execute(counts).mappings())
-        for model, sla_class, ttft_s, tpot_s in connection.execute(timings):
-            ttfts, tpots = latencies[model, sla_class]
-            ttfts.append(ttft_s)
-            tpots.append(tpot_s)
+        latencies = latency_percentiles(connection, [*filters.where(), LedgerRow.status == "ok"])
     report = []
     for group in groups:
-        attained = Attainment(group["tasks"], int(group["met"]), window_s)
-        ttfts, tpots = latencies[group["model"], group["sla_class"]]
+        attained = Attainment(int(group["tasks"]), int(group["met"]), window_s)
+        found = latencies.get((group["model"], group["sla_class"]), {})
         report.append({"model": group["model"], "sla_class": group["sla_class"], "tasks": attained.tasks,
-                       "met": attained.met, "ok": int(group["ok"]), "attainment": attained.share,
-                       "goodput": attained.goodput, "ttft_s": percentiles(ttfts), "tpot_s": percentiles(tpots)})
+                       "met": attained.met, "ok": int(group["ok"]), "rejected": int(group["rejected"]),
+                       "attainment": attained.share, "goodput": attained.goodput,
+                       **{column.name: found.get(column.name) or percentiles([]) for column in LATENCIES}})
     return report
+
+
+def _count(condition: ColumnElement[bool]) -> ColumnElement[int]:
+    return func.sum(case((condition, 1), else_=0))
+
+
+def latency_percentiles(connection: Connection, where: list[ColumnElement[bool]]
+                        ) -> dict[tuple[str, str], dict[str, dict[str, float]]]:
+    """{(model, SLA class): {"ttft_s": {"p50": .., "p95": .., "p99": ..}, "tpot_s": {..}}} of the rows `where`
+    selects, as PostgreSQL's percentile_cont defines them (numpy's default "linear" percentiles too): the value at
+    position q * (n - 1) of the sorted values, interpolated linearly between its neighbours. Computed in the
+    database; only the few values each needs leave it, so memory does not grow with the rows. Groups without
+    rows are absent."""
+    if connection.dialect.name == "postgresql":
+        return _percentile_cont(connection, where)
+    return _ranked_percentiles(connection, where)
+
+
+def _percentile_cont(connection: Connection, where: list[ColumnElement[bool]]
+                     ) -> dict[tuple[str, str], dict[str, dict[str, float]]]:
+    figures = [func.percentile_cont(p / 100).within_group(column).label(f"{column.name}_p{p}")
+               for column in LATENCIES for p in PERCENTILES]
+    statement = select(*GROUP, *figures).where(*where).group_by(*GROUP)
+    return {(row["model"], row["sla_class"]): {
+        column.name: {f"p{p}": row[f"{column.name}_p{p}"] for p in PERCENTILES} for column in LATENCIES}
+        for row in connection.execute(statement).mappings()}
+
+
+def _ranked_percentiles(connection: Connection, where: list[ColumnElement[bool]]
+                        ) -> dict[tuple[str, str], dict[str, dict[str, float]]]:
+    """SQLite has no percentile function: a window function numbers each group's sorted values (SQLite sorts
+    them, spilling to disk past its cache), and only the two values around each percentile's position are
+    read, to be interpolated here as percentile_cont does."""
+    found: dict[tuple[str, str], dict[str, dict[str, float]]] = defaultdict(dict)
+    for column in LATENCIES:
+        window = {"partition_by": GROUP, "order_by": column}
+        ranked = select(*GROUP, column.label("value"), (func.row_number().over(**window) - 1).label("ordinal"),
+                        func.count().over(**window, rows=(None, None)).label("n")).where(*where).subquery()
+        neighbours = []
+        for p in PERCENTILES:
+            below = cast((ranked.c.n - 1) * (p / 100), Integer)  # CAST truncates: the floor of a position >= 0
+            neighbours += [ranked.c.ordinal == below, ranked.c.ordinal == below + 1]
+        picked: dict[tuple[str, str], dict[int, float]] = defaultdict(dict)
+        sizes: dict[tuple[str, str], int] = {}
+        statement = select(ranked.c.model, ranked.c.sla_class, ranked.c.ordinal, ranked.c.value, ranked.c.n
+                           ).where(or_(*neighbours))
+        for model, sla_class, ordinal, value, n in connection.execute(statement):
+            picked[model, sla_class][ordinal] = value
+            sizes[model, sla_class] = n
+        for key, values in picked.items():
+            found[key][column.name] = {f"p{p}": _interpolate(values, sizes[key], p / 100) for p in PERCENTILES}
+    return dict(found)
+
+
+def _interpolate(sorted_values: dict[int, float], n: int, q: float) -> float:
+    """percentile_cont's value at fraction `q` of n sorted values, from the two around its position (PostgreSQL
+    computes it as first + fraction * (second - first), in the same float arithmetic)."""
+    position = (n - 1) * q
+    below = int(position)
+    fraction = position - below
+    first = sorted_values[below]
+    return first if fraction == 0 else first + fraction * (sorted_values[below + 1] - first)

@@ -3,8 +3,10 @@ deletes raw rows only where rollups hold their figures. Plain functions of an en
 `services.accounting.tasks` call them on a schedule.
 
 Every figure is computed here, in Python, from the bucket's raw rows: money as exact Decimal sums (SQLite's SUM
-of a NUMERIC column is a float sum) and latency percentiles as `reports.goodput` computes them (SQLite has no
-percentile function). Rows are read one UTC day at a time, so memory holds at most one day of latencies.
+of a NUMERIC column is a float sum) and latency percentiles by numpy's linear interpolation (the definition of
+PostgreSQL's percentile_cont, which `reports.goodput` has the database compute). Rows are read one UTC day at a
+time, so memory holds at most one day of latencies. Rejected tasks (refused for the client's own fault) are
+counted apart: their tokens and costs are summed, but tasks, sla_met, attainment and goodput leave them out.
 
 Re-rolling is idempotent: a bucket's figures are replaced, never added to, so the scheduler may re-roll recent
 buckets as often as it likes and late events (finished in a bucket already rolled) are counted the next time."""
@@ -22,7 +24,7 @@ from sqlalchemy import ColumnElement, Connection, Engine, delete, exists, func, 
 from sqlalchemy.dialects import postgresql, sqlite
 
 from services.accounting.models import LedgerRollup, LedgerRow
-from services.accounting.reports import utc
+from services.accounting.reports import REJECTED, utc
 from services.accounting.sla import Attainment, percentiles
 
 Period = Literal["hour", "day"]
@@ -50,8 +52,9 @@ def ceil(moment: datetime, period: Period) -> datetime:
 class _Group:
     """One (bucket, tenant, model) being summed."""
 
-    tasks: int = 0
+    tasks: int = 0  # those the SLA counts: every task but the rejected
     ok_tasks: int = 0
+    rejected: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
@@ -64,7 +67,13 @@ class _Group:
     tpots: list[float] = field(default_factory=list)
 
     def add(self, row: Any) -> None:
-        self.tasks += 1
+        """Tokens and costs of every task; a rejected one (refused for the client's own fault) is counted apart
+        from the tasks its SLA attainment and goodput count."""
+        if row.status == REJECTED:
+            self.rejected += 1
+        else:
+            self.tasks += 1
+            self.sla_met += bool(row.sla_met)
         self.prompt_tokens += row.prompt_tokens
         self.cached_tokens += row.cached_tokens
         self.completion_tokens += row.completion_tokens
@@ -72,7 +81,6 @@ class _Group:
         self.accepted_draft_tokens += row.accepted_draft_tokens
         self.list_cost_usd += row.list_cost_usd
         self.measured_cost_usd += row.measured_cost_usd
-        self.sla_met += bool(row.sla_met)
         if row.status == "ok":  # a failed task's timings say nothing about serving latency
             self.ok_tasks += 1
             self.ttfts.append(row.ttft_s)
@@ -81,8 +89,9 @@ class _Group:
     def figures(self, span_s: float) -> dict[str, Any]:
         attained = Attainment(self.tasks, self.sla_met, span_s)
         return {
-            "tasks": self.tasks, "ok_tasks": self.ok_tasks, "prompt_tokens": self.prompt_tokens,
-            "cached_tokens": self.cached_tokens, "completion_tokens": self.completion_tokens,
+            "tasks": self.tasks, "ok_tasks": self.ok_tasks, "rejected": self.rejected,
+            "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
+            "completion_tokens": self.completion_tokens,
             "draft_tokens": self.draft_tokens, "accepted_draft_tokens": self.accepted_draft_tokens,
             "list_cost_usd": self.list_cost_usd, "measured_cost_usd": self.measured_cost_usd,
             "sla_met": self.sla_met, "attainment": attained.share, "goodput": attained.goodput,

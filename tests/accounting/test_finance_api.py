@@ -199,13 +199,19 @@ def test_cost_report_grouped_by_day_buckets_tasks_by_utc_day(client, auth, ledge
         ("2025-03-01T00:00:00+00:00", 2), ("2025-03-02T00:00:00+00:00", 1)]
 
 
-def test_goodput_report_counts_attainment_goodput_and_latency_percentiles(client, auth, ledger_engine):
+def _goodput_rows() -> list[dict]:
+    """Interactive: five ok tasks (three meet the SLA, TTFTs 0.1..0.5 s) and a failed one; batch: one, met."""
     ok = [_row(ttft_s=0.1 * i, tpot_s=0.01 * i, sla_class="interactive", sla_met=i <= 3) for i in range(1, 6)]
     failed = _row(ttft_s=9.0, tpot_s=9.0, sla_class="interactive", sla_met=False, status="error")
-    batch = _row(sla_class="batch", sla_met=True)
-    _record(ledger_engine, [*ok, failed, batch])
-    params = {"start": "2025-03-01T12:00:00Z", "end": "2025-03-01T13:00:00Z"}
-    body = client.get("/v1/reports/goodput", params=params, headers=auth("acme")).json()
+    return [*ok, failed, _row(sla_class="batch", sla_met=True)]
+
+
+HOUR = {"start": "2025-03-01T12:00:00Z", "end": "2025-03-01T13:00:00Z"}
+
+
+def test_goodput_report_counts_attainment_goodput_and_latency_percentiles(client, auth, ledger_engine):
+    _record(ledger_engine, _goodput_rows())
+    body = client.get("/v1/reports/goodput", params=HOUR, headers=auth("acme")).json()
     assert body["window_s"] == 3600
     groups = {group["sla_class"]: group for group in body["data"]}
     interactive = groups["interactive"]
@@ -216,6 +222,34 @@ def test_goodput_report_counts_attainment_goodput_and_latency_percentiles(client
     assert interactive["ttft_s"] == pytest.approx({"p50": 0.3, "p95": 0.48, "p99": 0.496})
     assert interactive["tpot_s"] == pytest.approx({"p50": 0.03, "p95": 0.048, "p99": 0.0496})
     assert (groups["batch"]["tasks"], groups["batch"]["goodput"]) == (1, pytest.approx(1 / 3600))
+
+
+def _goodput_groups(client, auth) -> dict[tuple[str, str], dict]:
+    body = client.get("/v1/reports/goodput", params=HOUR, headers=auth("acme")).json()
+    return {(group["model"], group["sla_class"]): group for group in body["data"]}
+
+
+def test_goodput_report_counts_rejected_tasks_apart_leaving_attainment_and_goodput_as_they_were(
+        client, auth, ledger_engine):
+    _record(ledger_engine, _goodput_rows())
+    before = _goodput_groups(client, auth)
+    # refused for the client's own fault: instant, so their timings would flatter the percentiles
+    _record(ledger_engine, [_row(ttft_s=0.0, tpot_s=0.0, e2e_s=0.0, sla_class="interactive", sla_met=False,
+                                 status="rejected") for _ in range(3)])
+    after = _goodput_groups(client, auth)
+    interactive = ("tokenfleet-large", "interactive")
+    assert before[interactive]["rejected"] == 0
+    assert after[interactive] == before[interactive] | {"rejected": 3}
+    assert after[interactive]["attainment"] == pytest.approx(3 / 6)
+
+
+def test_goodput_report_lists_a_group_of_rejected_tasks_alone_with_no_tasks_attainment_or_percentiles(
+        client, auth, ledger_engine):
+    _record(ledger_engine, [_row(model="tokenfleet-small", sla_met=False, status="rejected")])
+    [group] = _goodput_groups(client, auth).values()
+    assert {key: group[key] for key in ("tasks", "met", "ok", "rejected", "attainment", "goodput")} == {
+        "tasks": 0, "met": 0, "ok": 0, "rejected": 1, "attainment": 0.0, "goodput": 0.0}
+    assert group["ttft_s"] == group["tpot_s"] == {"p50": None, "p95": None, "p99": None}
 
 
 @pytest.mark.parametrize(("path", "params", "param"), [

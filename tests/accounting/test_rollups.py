@@ -14,30 +14,20 @@ from pathlib import Path
 
 import pytest
 import redis
-from sqlalchemy import delete, func, select
+from alembic import command
+from alembic.config import Config
+from sqlalchemy import delete, func, insert, select
 
-from services.accounting import ledger, rollups
+from services.accounting import db, ledger, rollups
 from services.accounting.models import LedgerRollup, LedgerRow
 from services.accounting.reports import utc
 from services.accounting.tasks import APPLY_RETENTION, QUEUES, ROLLUP_RECENT, broker_url, celery_app
 from services.settings import AccountingSettings
+from tests.accounting.conftest import ledger_row as _row
 
 HOUR = datetime(2026, 3, 10, 14, tzinfo=UTC)
 DAY = datetime(2026, 3, 10, tzinfo=UTC)
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _row(finished_at: datetime, tenant: str = "acme", model: str = "m1", status: str = "ok", ttft: float = 0.2,
-         tpot: float = 0.02, tokens: tuple[int, int, int] = (100, 0, 10), costs: tuple[str, str] = ("0.001", "0.0005"),
-         met: bool = True, drafts: tuple[int, int] = (0, 0)) -> dict:
-    prompt, cached, completion = tokens
-    return {"request_id": uuid.uuid4().hex, "tenant": tenant, "api_key_id": None, "model": model, "tier": None,
-            "worker_id": None, "worker_class": None, "routing_reason": None, "cache_result": "none",
-            "prompt_tokens": prompt, "cached_tokens": cached, "completion_tokens": completion, "queue_s": 0.0,
-            "draft_tokens": drafts[0], "accepted_draft_tokens": drafts[1],
-            "ttft_s": ttft, "tpot_s": tpot, "e2e_s": 1.0, "gpu_seconds": 0.1, "list_cost_usd": Decimal(costs[0]),
-            "measured_cost_usd": Decimal(costs[1]), "sla_class": "interactive", "sla_met": met and status == "ok",
-            "status": status, "enqueued_at": finished_at - timedelta(seconds=1), "finished_at": finished_at}
 
 
 def _rollups(engine, period: str | None = None) -> dict[tuple, dict]:
@@ -104,6 +94,56 @@ def test_a_bucket_with_no_ok_task_has_no_percentiles(ledger_engine):
     [only] = _rollups(ledger_engine).values()
     assert (only["tasks"], only["ok_tasks"], only["sla_met"], only["attainment"], only["goodput"]) == (1, 0, 0, 0, 0)
     assert only["ttft_p50_s"] is None and only["tpot_p99_s"] is None
+
+
+def test_rejected_tasks_are_counted_apart_leaving_attainment_goodput_and_percentiles_as_they_were(ledger_engine):
+    _crafted(ledger_engine)
+    rollups.roll_up(ledger_engine, "hour", HOUR, HOUR + timedelta(hours=2))
+    rollups.roll_up(ledger_engine, "day", HOUR, HOUR)
+    before = _figures(ledger_engine)
+    # refused for the client's own fault: instant, so their timings would flatter the percentiles
+    ledger.record(ledger_engine, [_row(HOUR + timedelta(minutes=m), status="rejected", ttft=0.0, tpot=0.0,
+                                       tokens=(0, 0, 0), costs=("0", "0")) for m in (1, 2)])
+    rollups.roll_up(ledger_engine, "hour", HOUR, HOUR + timedelta(hours=2))
+    rollups.roll_up(ledger_engine, "day", HOUR, HOUR)
+    after = _figures(ledger_engine)
+    assert {key: row["rejected"] for key, row in before.items()} == dict.fromkeys(before, 0)
+    assert {key: row["rejected"] for key, row in after.items()} == {
+        ("hour", HOUR, "acme", "m1"): 2, ("hour", HOUR + timedelta(hours=1), "acme", "m1"): 0,
+        ("hour", HOUR, "beta", "m1"): 0, ("day", DAY, "acme", "m1"): 2, ("day", DAY, "beta", "m1"): 0}
+    assert {key: row | {"rejected": 0} for key, row in after.items()} == before
+
+
+def test_a_rejected_tasks_tokens_and_costs_are_summed_as_the_cost_report_sums_them(ledger_engine):
+    ledger.record(ledger_engine, [_row(HOUR), _row(HOUR, status="rejected", tokens=(9000, 0, 0),
+                                                   costs=("0.009", "0"))])
+    rollups.roll_up(ledger_engine, "hour", HOUR, HOUR + timedelta(hours=1))
+    [only] = _rollups(ledger_engine).values()
+    assert (only["tasks"], only["rejected"], only["prompt_tokens"], only["list_cost_usd"]) == (
+        1, 1, 9100, Decimal("0.010"))
+
+
+def test_a_bucket_of_rejected_tasks_alone_has_no_tasks_attainment_or_percentiles(ledger_engine):
+    ledger.record(ledger_engine, [_row(HOUR, status="rejected")])
+    rollups.roll_up(ledger_engine, "hour", HOUR, HOUR + timedelta(hours=1))
+    [only] = _rollups(ledger_engine).values()
+    assert (only["tasks"], only["rejected"], only["sla_met"], only["attainment"], only["goodput"]) == (0, 1, 0, 0, 0)
+    assert only["ttft_p50_s"] is None
+
+
+def test_rollups_written_before_migration_0004_count_no_rejected_tasks(new_database):
+    engine = db.connect(new_database())
+    config = Config()
+    config.set_main_option("script_location", str(db.MIGRATIONS))
+    with engine.begin() as connection:
+        config.attributes["connection"] = connection
+        command.upgrade(config, "0003")
+        figures = {name: 0 for name in rollups.FIGURES if name != "rejected"} | {"rolled_at": DAY}
+        connection.execute(insert(LedgerRollup).values(period="day", bucket_start=DAY, tenant="acme", model="m1",
+                                                       **figures))
+    db.migrate(engine)
+    assert [row["rejected"] for row in _rollups(engine).values()] == [0]
+    engine.dispose()
 
 
 def _figures(engine) -> dict[tuple, dict]:

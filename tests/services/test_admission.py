@@ -1,5 +1,6 @@
 """Admission on a real Redis: the queue-depth bound holds however many requests (and gateways) arrive at
-once, `auto` counts against the tiers it may land on, and a max_tokens no model context can hold is a 400."""
+once, `auto` counts against the tiers it may land on, and a max_tokens or a prompt no model context can hold is
+a 400 before anything is queued (the prompt counted with the model's own tokenizer)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import uuid
 
 import pytest
 
-from gateway.admission import Admission
+from gateway.admission import Admission, inflight_key
 from gateway.schemas import RequestError
 from services import protocol as p
 from services.redis_client import connect
@@ -18,14 +19,15 @@ from services.settings import GatewaySettings, RouterSettings
 DEPTH = 4
 
 
-def _run(redis_url: str, scenario):
+def _run(redis_url: str, scenario, model_dir: str = "/m", max_model_len: int = 2048):
+    """`model_dir`: the served models' checkpoint (by default none on this host: prompts are not counted)."""
     async def go():
         redis = connect(redis_url)
         small, large = f"small-{uuid.uuid4().hex[:8]}", f"large-{uuid.uuid4().hex[:8]}"
         try:
             for name in (small, large):  # served, with a live worker
-                await redis.hset(p.MODELS_KEY, name, p.ModelInfo(name=name, model_dir="/m", max_model_len=2048)
-                                 .model_dump_json())
+                info = p.ModelInfo(name=name, model_dir=model_dir, max_model_len=max_model_len)
+                await redis.hset(p.MODELS_KEY, name, info.model_dump_json())
                 await redis.zadd(p.workers_key(name), {"w": time.time() + 60})
             return await scenario(redis, small, large)
         finally:
@@ -42,9 +44,15 @@ def _admission(redis, small: str, large: str, max_events_backlog: int = 10**9) -
                      max_events_backlog)
 
 
-async def _outcome(admission: Admission, model: str, **kwargs) -> str:
+def _request(model: str, request_id: str | None = None, max_tokens: int | None = None,
+             prompt: str = "hi") -> p.GenerateRequest:
+    return p.GenerateRequest(request_id=request_id or uuid.uuid4().hex, kind="completion", model=model,
+                             prompt=prompt, sampling=p.SamplingOptions(max_tokens=max_tokens))
+
+
+async def _outcome(admission: Admission, model: str, **request) -> str:
     try:
-        await admission.admit(model, uuid.uuid4().hex, **kwargs)
+        await admission.admit(_request(model, **request))
     except RequestError as exc:
         return exc.error.code
     return "admitted"
@@ -72,7 +80,7 @@ def test_auto_requests_count_against_both_tiers_queues(redis_url):
 def test_a_released_request_frees_its_place_in_every_queue_it_took(redis_url):
     async def scenario(redis, small, large):
         admission, rid = _admission(redis, small, large), uuid.uuid4().hex
-        await admission.admit(p.AUTO_MODEL, rid)
+        await admission.admit(_request(p.AUTO_MODEL, rid))
         for _ in range(DEPTH - 1):
             await _outcome(admission, small)
         full = await _outcome(admission, small)
@@ -98,3 +106,62 @@ def test_work_is_refused_with_503_while_unrecorded_completion_events_exceed_thei
                 await _outcome(_admission(redis, small, large, max_events_backlog=backlog), small))
 
     assert _run(redis_url, scenario) == ("admitted", "accounting_backlog")
+
+
+def _prompt_of(model_dir, tokens: int) -> str:
+    """A text its model's tokenizer makes exactly `tokens` tokens of (the worker's own `Tokenizer`)."""
+    from gpu_worker.engine.checkpoint import open_checkpoint
+
+    tokenizer = open_checkpoint(str(model_dir)).tokenizer()
+    text = " ".join(["hello"] * tokens)
+    while len(tokenizer.encode(text)) > tokens:
+        text = text[:-1]
+    assert len(tokenizer.encode(text)) == tokens
+    return text
+
+
+@pytest.mark.parametrize(("prompt_tokens", "max_tokens", "outcome"),
+                         [(40, 24, "admitted"), (40, 25, "context_length_exceeded"), (63, None, "admitted"),
+                          (64, None, "context_length_exceeded")])
+def test_a_prompt_and_max_tokens_past_the_context_are_refused_counted_with_the_models_tokenizer(
+        redis_url, make_checkpoint, prompt_tokens, max_tokens, outcome):
+    model_dir = make_checkpoint("llama")
+    prompt = _prompt_of(model_dir, prompt_tokens)
+
+    async def scenario(redis, small, large):
+        return await _outcome(_admission(redis, small, large), small, max_tokens=max_tokens, prompt=prompt)
+
+    assert _run(redis_url, scenario, str(model_dir), max_model_len=64) == outcome
+
+
+def test_a_prompt_past_the_context_is_refused_before_it_takes_a_place_in_the_queue(redis_url, make_checkpoint):
+    model_dir = make_checkpoint("llama")
+    prompt = _prompt_of(model_dir, 80)
+
+    async def scenario(redis, small, large):
+        admission = _admission(redis, small, large)
+        try:
+            await admission.admit(_request(small, prompt=prompt))
+        except RequestError as exc:
+            error = exc.error
+        return error, await redis.zcard(inflight_key(small))
+
+    error, queued = _run(redis_url, scenario, str(model_dir), max_model_len=64)
+    assert (error.status, error.code, error.param, queued) == (400, "context_length_exceeded", "prompt", 0)
+    assert error.message.startswith("This model's maximum context length is 64 tokens. However, your prompt "
+                                    "resulted in 80 tokens.")
+
+
+def test_a_prompt_far_shorter_than_the_context_is_admitted_without_loading_a_tokenizer(redis_url, make_checkpoint):
+    """Loading one takes seconds and 100+ MB: a gateway pays it only once a prompt could be too long."""
+    from gateway.context_window import ContextWindow
+
+    context = ContextWindow()
+
+    async def scenario(redis, small, large):
+        admission = Admission(redis, GatewaySettings(), RouterSettings(small_model=small, large_model=large), 10**9,
+                              context)
+        await admission.admit(_request(small, prompt="A short question?", max_tokens=16))
+        return context.encoder._tokenizer.cache_info().currsize
+
+    assert _run(redis_url, scenario, str(make_checkpoint("llama")), max_model_len=2048) == 0

@@ -8,6 +8,7 @@ import urllib.request
 import openai
 import pytest
 
+from services import protocol as p
 from tests.services.conftest import MODEL
 
 pytestmark = pytest.mark.usefixtures("stack")
@@ -42,11 +43,20 @@ def test_a_response_cache_hit_is_recorded_as_one(stack):
     assert (row.cache_result, row.worker_id, float(row.measured_cost_usd)) == ("exact", "response-cache", 0.0)
 
 
-def test_a_prompt_the_worker_rejects_is_recorded_as_an_error(stack):
-    with pytest.raises(openai.BadRequestError) as err:  # past the context: only the worker's tokenizer can tell
+def test_a_prompt_past_the_context_is_refused_by_the_gateway_before_it_is_queued(stack):
+    with pytest.raises(openai.BadRequestError) as err:
         stack.client().completions.create(model=MODEL, prompt="x " * 5000, max_tokens=4)
+    assert (err.value.body["code"], err.value.body["param"]) == ("context_length_exceeded", "prompt")
+    request_id = err.value.response.headers["x-request-id"]
+    entries = stack.redis().xrange(p.REQUESTS_STREAM)
+    assert not [f for _, f in entries if p.decode(p.GenerateRequest, f).request_id == request_id]
+
+
+def test_a_request_the_worker_rejects_is_recorded_as_rejected_not_as_a_failure(stack):
+    with pytest.raises(openai.BadRequestError) as err:  # only the worker knows its model's vocabulary
+        stack.client().completions.create(model=MODEL, prompt=[10**8], max_tokens=4)
     row = stack.ledger_row("cmpl-" + err.value.response.headers["x-request-id"])
-    assert (row.status, row.sla_met, row.completion_tokens) == ("error", False, 0)
+    assert (row.status, row.completion_tokens) == ("rejected", 0)
 
 
 def test_the_sla_class_a_request_names_is_the_one_its_row_is_judged_by(stack):
