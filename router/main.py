@@ -34,6 +34,6 @@ async def serve(settings: RouterSettings, redis_url: str) -> None:
     stop = started()
     try:
         caches, router_id = ResponseCache(redis, CacheSettings()), f"{socket.gethostname()}-{os.getpid()}"
-        await Router(redis, tiers, chooser, caches, router_id, StreamSettings()).run(stop)
+        await Router(redis, tiers, chooser, caches, router_id, StreamSettings(), settings.max_concurrency).run(stop)
     finally:
         await redis.aclose()

@@ -29,9 +29,14 @@ log = logging.getLogger(__name__)
 
 class Router:
     def __init__(self, redis: aioredis.Redis, tiers: TierPolicy, chooser: WorkerChooser | RoundRobinChooser,
-                 caches: ResponseCache, router_id: str, stream_settings: StreamSettings):
+                 caches: ResponseCache, router_id: str, stream_settings: StreamSettings, max_concurrency: int = 64):
+        """`max_concurrency`: requests routed at once. One at a time, a request's tokenizing (in a thread) and
+        embedding held up every request behind it; its Redis round trips overlap the others'."""
         self.redis, self.tiers, self.chooser, self.caches = redis, tiers, chooser, caches
-        self.router_id, self.streams = router_id, stream_settings
+        self.router_id, self.streams, self.max_concurrency = router_id, stream_settings, max_concurrency
+        self._routing: set[asyncio.Task] = set()
+        self._index_loading = asyncio.Lock()
+        self._slot_freed = asyncio.Event()
         self.encoder = PromptEncoder()
         self.fleet = FleetView(redis)
         self.sent_prefixes = SentPrefixes()
@@ -44,18 +49,34 @@ class Router:
         self._followers.add(asyncio.create_task(streams.restarting("fleet view", self.fleet.follow, log)))
         try:
             while not stop.is_set():
+                free = self.max_concurrency - len(self._routing)
+                if free <= 0:
+                    self._slot_freed.clear()
+                    await self._slot_freed.wait()
+                    continue
                 try:
-                    got = await streams.read_new(self.redis, p.REQUESTS_STREAM, p.ROUTER_GROUP, self.router_id, 256,
+                    got = await streams.read_new(self.redis, p.REQUESTS_STREAM, p.ROUTER_GROUP, self.router_id, free,
                                                  500)
-                    for delivery in got:
-                        await self._forward_one(delivery)
                 except aioredis.RedisError:  # Redis restarting: what was read and not forwarded stays pending
                     log.exception("reading the request stream failed; retrying")
                     await asyncio.sleep(1.0)
+                    continue
+                for delivery in got:
+                    self._route_later(delivery)
         finally:
             janitor.cancel()
             for task in self._followers:
                 task.cancel()
+            await asyncio.gather(*self._routing, return_exceptions=True)  # what it read, it forwards
+
+    def _route_later(self, delivery: streams.Delivery) -> None:
+        task = asyncio.create_task(self._forward_one(delivery))
+        self._routing.add(task)
+        task.add_done_callback(self._routed)
+
+    def _routed(self, task: asyncio.Task) -> None:
+        self._routing.discard(task)
+        self._slot_freed.set()
 
     async def _janitor_loop(self) -> None:
         claimer = streams.StaleClaimer(self.redis, p.REQUESTS_STREAM, p.ROUTER_GROUP, self.router_id, self.streams)
@@ -70,9 +91,7 @@ class Router:
         and dead-lettered (its client told) after `max_deliveries`; the requests behind it go on."""
         try:
             await self.forward(delivery)
-        except aioredis.RedisError:
-            raise
-        except Exception:
+        except Exception:  # a Redis error too: the entry stays pending for a janitor
             log.exception("routing request entry %s failed; it will be retried", delivery.entry_id)
 
     async def forward(self, delivery: streams.Delivery) -> None:
@@ -141,12 +160,13 @@ class Router:
 
     async def _prefix_index(self, model: str) -> PrefixIndex:
         """The model's prefix directory in memory: loaded on first use, then followed in the background."""
-        if (index := self._indexes.get(model)) is None:
-            index = PrefixIndex(self.redis, model)
-            await index.load()  # kept only once loaded: a failed load is tried again by the next request
-            self._indexes[model] = index
-            task = asyncio.create_task(streams.restarting(f"prefix index of {model}", index.follow, log))
-            self._followers.add(task)
+        async with self._index_loading:  # requests routed at once: one load, one follower
+            if (index := self._indexes.get(model)) is None:
+                index = PrefixIndex(self.redis, model)
+                await index.load()  # kept only once loaded: a failed load is tried again by the next request
+                self._indexes[model] = index
+                task = asyncio.create_task(streams.restarting(f"prefix index of {model}", index.follow, log))
+                self._followers.add(task)
         return index
 
     async def _models(self) -> dict[str, p.ModelInfo]:

@@ -61,6 +61,7 @@ BENCHMARKS = {
     "quality": ("bench.quality", "perplexity, greedy agreement and task accuracy against a reference"),
     "quant": ("bench.quant", "int8 / int4 weights against bf16: bytes, quality and speed (and llama.cpp)"),
     "spec": ("bench.spec", "speculative decoding (n-gram, draft models) on against off, quote and chat prompts"),
+    "router": ("bench.router_capacity", "a router at a steady request rate: decision delay and rate, by concurrency"),
     "soak": ("bench.soak", "the stack at a steady rate for minutes: every service's RSS slope, p99, nothing lost"),
 }
 

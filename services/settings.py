@@ -78,6 +78,7 @@ class RouterSettings(BaseSettings):
     min_prefix_tokens: int = 64
     load_cost_tokens: int = 64
     worker_policy: Literal["cache_aware", "round_robin"] = "cache_aware"  # round_robin: the benchmark's baseline
+    max_concurrency: int = 64  # requests one router routes at once (tokenizing, embedding, Redis round trips)
 
 
 class CacheSettings(BaseSettings):

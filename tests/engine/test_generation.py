@@ -127,3 +127,15 @@ def test_outputs_come_back_in_input_order(llm):
     outs = llm.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths])
     assert [len(o.token_ids) for o in outs] == lengths
     assert [o.prompt_token_ids for o in outs] == prompts
+
+
+def test_a_seeded_request_run_alone_gives_the_same_tokens_every_time_in_bf16(make_checkpoint):
+    """What the README promises without `deterministic=True`: the same request alone, run after run (bf16, the
+    CPU serving dtype, whose kernels differ with the batch's size but not from one run to the next)."""
+    import torch
+
+    llm = LLM(str(make_checkpoint("llama", dtype=torch.bfloat16)), dtype="bfloat16")
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=99, max_tokens=24, ignore_eos=True)
+    prompt = _prompts(1, seed=11)[0]
+    runs = [llm.generate(prompt, params)[0].token_ids for _ in range(3)]
+    assert runs[0] == runs[1] == runs[2] and len(runs[0]) == 24

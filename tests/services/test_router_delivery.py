@@ -62,9 +62,40 @@ def test_a_request_the_router_cannot_route_is_dead_lettered_and_the_others_go_on
         return forwarded, letters, replies, pending
 
     forwarded, letters, replies, pending = asyncio.run(scenario())
-    assert forwarded == [requests[0].request_id, requests[2].request_id]
+    assert sorted(forwarded) == sorted([requests[0].request_id, requests[2].request_id])
     assert letters == [requests[1].request_id] and pending == 0
     assert [c.kind for c in replies] == ["error"] and replies[0].error.code == "dead_letter"
+
+
+class _SlowOnSlow(TierPolicy):
+    async def choose(self, request, models, encoder, alive):
+        if request.prompt == "slow":
+            await asyncio.sleep(3)  # a long prompt's tokenizing, an embedding
+        return await super().choose(request, models, encoder, alive)
+
+
+def test_a_slow_request_does_not_hold_up_the_requests_behind_it(fresh_redis_url):
+    slow, *quick = [_request("slow")] + [_request(f"quick {i}") for i in range(5)]
+
+    async def scenario():
+        redis = connect(fresh_redis_url)
+        router = Router(redis, _SlowOnSlow(TierRule("s", "l", 10, 10)), WorkerChooser(64, 64),
+                        ResponseCache(redis, CacheSettings()), "router-a", StreamSettings())
+        for request in (slow, *quick):
+            await redis.xadd(p.REQUESTS_STREAM, request.encode())
+        stop = asyncio.Event()
+        running = asyncio.create_task(router.run(stop))
+        await asyncio.sleep(1.0)
+        early = [p.decode(p.GenerateRequest, f).request_id for _, f in await redis.xrange(p.work_stream("m"))]
+        stop.set()
+        await running  # the slow one is still forwarded: a stopping router finishes what it read
+        late = [p.decode(p.GenerateRequest, f).request_id for _, f in await redis.xrange(p.work_stream("m"))]
+        await redis.aclose()
+        return early, late
+
+    early, late = asyncio.run(scenario())
+    assert sorted(early) == sorted(r.request_id for r in quick)
+    assert late[-1] == slow.request_id and len(late) == 6
 
 
 def test_a_cache_hit_is_answered_once_even_if_two_routers_hold_the_request(fresh_redis_url):
