@@ -34,18 +34,25 @@ class ContextWindow:
             return
         counts = await asyncio.to_thread(self._prompt_tokens, message, served)
         if any(n is None or _fits(n, message.sampling.max_tokens, info.max_model_len)
-               for info, n in counts):
+               for info, (n, _) in counts):
             return
-        info, n = max(counts, key=lambda pair: pair[0].max_model_len)
-        raise RequestError(_refusal(message, info.max_model_len, n))
+        info, (n, exact) = max(counts, key=lambda pair: pair[0].max_model_len)
+        raise RequestError(_refusal(message, info.max_model_len, n, exact))
 
     def _prompt_tokens(self, message: p.GenerateRequest,
-                       served: dict[str, p.ModelInfo]) -> list[tuple[p.ModelInfo, int | None]]:
-        counted: dict[str, int | None] = {}  # both tiers may serve one checkpoint: tokenized once
+                       served: dict[str, p.ModelInfo]) -> list[tuple[p.ModelInfo, tuple[int | None, bool]]]:
+        """Per model: (its prompt tokens, exact), or (a lower bound, False) for a prompt surely too long to be
+        worth tokenizing, or (None, True) when this host has no tokenizer for it."""
+        counted: dict[str, tuple[int | None, bool]] = {}  # both tiers may serve one checkpoint: tokenized once
         for info in served.values():
-            if info.model_dir not in counted:
-                ids = self.encoder.prompt_ids(message, info.model_dir)
-                counted[info.model_dir] = None if ids is None else len(ids)
+            if info.model_dir in counted:
+                continue
+            least = self.encoder.least_tokens(message, info.model_dir)
+            if least is not None and least > info.max_model_len:
+                counted[info.model_dir] = (least, False)
+                continue
+            ids = self.encoder.prompt_ids(message, info.model_dir)
+            counted[info.model_dir] = (None if ids is None else len(ids), True)
         return [(info, counted[info.model_dir]) for info in served.values()]
 
 
@@ -65,12 +72,18 @@ def _fits(prompt_tokens: int, max_tokens: int | None, context: int) -> bool:
     return prompt_tokens < context and (max_tokens is None or prompt_tokens + max_tokens <= context)
 
 
-def _refusal(message: p.GenerateRequest, context: int, prompt_tokens: int) -> p.ErrorBody:
-    """OpenAI's wording and code, `param` the part the client should shorten."""
+def _refusal(message: p.GenerateRequest, context: int, prompt_tokens: int, exact: bool) -> p.ErrorBody:
+    """OpenAI's wording and code, `param` the part the client should shorten. `exact` False: `prompt_tokens` is
+    a lower bound (the prompt was too long to be worth tokenizing)."""
     part = "messages" if message.kind == "chat" else "prompt"
     max_tokens = message.sampling.max_tokens
-    asked = (f"you requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the {part}, {max_tokens} in "
-             "the completion)" if max_tokens is not None else f"your {part} resulted in {prompt_tokens} tokens")
+    if not exact:
+        asked = f"your {part} resulted in more than {prompt_tokens} tokens"
+    elif max_tokens is not None:
+        asked = (f"you requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the {part}, {max_tokens} in "
+                 "the completion)")
+    else:
+        asked = f"your {part} resulted in {prompt_tokens} tokens"
     return p.ErrorBody(message=f"This model's maximum context length is {context} tokens. However, {asked}. "
                                f"Please reduce the length of the {part} or completion.",
                        param=part, code=CONTEXT_LENGTH_EXCEEDED)

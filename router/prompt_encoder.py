@@ -27,6 +27,20 @@ class PromptEncoder:
             log.warning("no tokenizer at %s: routing without prefix matching", model_dir)
             return None
 
+    def least_tokens(self, request: p.GenerateRequest, model_dir: str) -> int | None:
+        """At least this many prompt tokens, told without tokenizing (None: no tokenizer on this host)."""
+        if request.kind == "completion" and isinstance(request.prompt, list):
+            return len(request.prompt)
+        tokenizer = self._tokenizer(model_dir)
+        if tokenizer is None:
+            return None
+        if request.kind == "completion":
+            texts = [request.prompt or ""]
+        else:  # the template adds to the messages' texts, never takes away
+            contents = [m.get("content") or "" for m in request.messages or []]
+            texts = [c if isinstance(c, str) else "".join(part.get("text") or "" for part in c) for c in contents]
+        return sum(len(text.encode()) for text in texts) // tokenizer.longest_token_bytes
+
     def prompt_ids(self, request: p.GenerateRequest, model_dir: str) -> list[int] | None:
         """None when this host cannot tell (no tokenizer) or the worker will reject the prompt anyway."""
         if request.kind == "completion" and isinstance(request.prompt, list):

@@ -165,3 +165,29 @@ def test_a_prompt_far_shorter_than_the_context_is_admitted_without_loading_a_tok
         return context.encoder._tokenizer.cache_info().currsize
 
     assert _run(redis_url, scenario, str(make_checkpoint("llama")), max_model_len=2048) == 0
+
+
+def test_a_prompt_too_long_to_be_worth_tokenizing_is_refused_from_its_size(redis_url, make_checkpoint):
+    """Bytes past the context times the longest token's bytes: refused at once, never tokenized (a 4 MB prompt
+    took 3 s and 465 MB of a process to tokenize)."""
+    from gateway.context_window import ContextWindow
+
+    context = ContextWindow()
+    model_dir = str(make_checkpoint("llama"))
+    longest = context.encoder._tokenizer(model_dir).longest_token_bytes
+    prompt = "x" * (longest * 65)
+
+    async def scenario(redis, small, large):
+        admission = Admission(redis, GatewaySettings(), RouterSettings(small_model=small, large_model=large), 10**9,
+                              context)
+        encoded = []
+        context.encoder.prompt_ids = lambda *args: encoded.append(args)  # records a tokenizing, were there one
+        try:
+            await admission.admit(_request(small, prompt=prompt))
+        except RequestError as exc:
+            return exc.error, encoded
+        return None, encoded
+
+    error, encoded = _run(redis_url, scenario, model_dir, max_model_len=64)
+    assert (error.code, encoded) == ("context_length_exceeded", [])
+    assert "your prompt resulted in more than 65 tokens" in error.message
