@@ -83,9 +83,15 @@ def _check_text(text: str, path: tuple) -> None:
                           name) from None
 
 
+# Request headers past this (all of them, names and values) get a 431. uvicorn's own bound (h11's 16 KiB for the
+# request line and headers) answers a plain-text 400 past that.
+MAX_HEADER_BYTES = 8 << 10
+
+
 class BodyLimit:
     """ASGI middleware: a body over its path's limit is answered 413 (OpenAI's error object) before it is
-    read whole — by its Content-Length when it declares one, else as its chunks arrive."""
+    read whole — by its Content-Length when it declares one, else as its chunks arrive; headers over
+    `MAX_HEADER_BYTES` are answered 431."""
 
     def __init__(self, app, max_bytes: int, max_bytes_by_path: dict[str, int]):
         self.app, self.max_bytes, self.max_bytes_by_path = app, max_bytes, max_bytes_by_path
@@ -93,6 +99,10 @@ class BodyLimit:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        header_bytes = sum(len(name) + len(value) for name, value in scope["headers"])
+        if header_bytes > MAX_HEADER_BYTES:
+            return await _answer(send, 431, f"the request headers are over {MAX_HEADER_BYTES} bytes",
+                                 "request_header_fields_too_large")
         limit = self.max_bytes_by_path.get(scope["path"], self.max_bytes)
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > limit):
@@ -125,9 +135,12 @@ class _BodyTooLarge(Exception):
 
 
 async def _too_large(send, limit: int) -> None:
-    body = p.dumps(p.ErrorBody(message=f"the request body is over {limit} bytes", code="request_too_large",
-                               status=413).openai()).encode()
-    await send({"type": "http.response.start", "status": 413,
+    await _answer(send, 413, f"the request body is over {limit} bytes", "request_too_large")
+
+
+async def _answer(send, status: int, message: str, code: str) -> None:
+    body = p.dumps(p.ErrorBody(message=message, code=code, status=status).openai()).encode()
+    await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                             (b"connection", b"close")]})
     await send({"type": "http.response.body", "body": body})

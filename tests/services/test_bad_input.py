@@ -73,3 +73,11 @@ def test_a_chunked_body_without_a_length_is_cut_off_at_the_limit(stack):
 
     response = httpx.post(stack.url + "/v1/chat/completions", content=chunks(), headers=HEADERS, timeout=60)
     assert response.status_code == 413
+
+
+def test_oversized_headers_are_refused_431_with_an_openai_error(stack, client):
+    response = httpx.post(stack.url + "/v1/chat/completions", timeout=60,
+                          headers={**HEADERS, "X-Padding": "p" * (12 << 10)},
+                          json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert response.status_code == 431
+    assert response.json()["error"]["code"] == "request_header_fields_too_large"
