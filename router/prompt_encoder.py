@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 
 from gpu_worker.engine.checkpoint import open_checkpoint
 from gpu_worker.engine.errors import ModelLoadError
@@ -17,7 +18,14 @@ log = logging.getLogger(__name__)
 
 class PromptEncoder:
     def __init__(self, max_tokenizers: int = 8):
-        self._tokenizer = functools.lru_cache(maxsize=max_tokenizers)(self._load)
+        self._cached = functools.lru_cache(maxsize=max_tokenizers)(self._load)
+        # Requests are encoded in threads, several at once: without the lock each of a burst's first requests
+        # loaded its own copy of the tokenizer (a router took 960 MB instead of 495).
+        self._loading = threading.Lock()
+
+    def _tokenizer(self, model_dir: str) -> Tokenizer | None:
+        with self._loading:
+            return self._cached(model_dir)
 
     @staticmethod
     def _load(model_dir: str) -> Tokenizer | None:

@@ -162,7 +162,7 @@ def test_a_prompt_far_shorter_than_the_context_is_admitted_without_loading_a_tok
         admission = Admission(redis, GatewaySettings(), RouterSettings(small_model=small, large_model=large), 10**9,
                               context)
         await admission.admit(_request(small, prompt="A short question?", max_tokens=16))
-        return context.encoder._tokenizer.cache_info().currsize
+        return context.encoder._cached.cache_info().currsize
 
     assert _run(redis_url, scenario, str(make_checkpoint("llama")), max_model_len=2048) == 0
 
