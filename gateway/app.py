@@ -16,7 +16,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from opentelemetry.trace import SpanKind
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match, Route
 
+from gateway import openapi
 from gateway.admission import REFUSALS, Admission, alive_workers, served_models
 from gateway.auth import ApiKey, authenticate, register_key
 from gateway.batches import MAX_FILE_BYTES, Batches
@@ -205,8 +207,17 @@ async def _request_error(request: Request, exc: RequestError) -> JSONResponse:
 
 
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """Starlette's own errors (404 for an unknown path, 405 with `Allow`, 400 for a malformed form)."""
     kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-    return _error_response(p.ErrorBody(message=str(exc.detail), status=exc.status_code, type=kind))
+    headers = {**(exc.headers or {}), **({"Allow": _allowed(request)} if exc.status_code == 405 else {})}
+    return _error_response(p.ErrorBody(message=str(exc.detail), status=exc.status_code, type=kind), headers)
+
+
+def _allowed(request: Request) -> str:
+    """Every method of the request's path: Starlette's 405 names only the first route's, and a path may have a
+    route per method (GET and POST /v1/batches)."""
+    return ", ".join(sorted({method for route in request.app.router.routes if isinstance(route, Route)
+                             and route.matches(request.scope)[0] is Match.PARTIAL for method in route.methods}))
 
 
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -232,19 +243,22 @@ def create_app(redis: aioredis.Redis, settings: GatewaySettings, tiers: RouterSe
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(aioredis.RedisError, gateway.redis_error)
-    app.add_api_route("/v1/chat/completions", gateway.chat_completions, methods=["POST"])
-    app.add_api_route("/v1/completions", gateway.completions, methods=["POST"])
-    app.add_api_route("/v1/models", gateway.models, methods=["GET"])
-    batches = Batches(redis, gateway.authenticated, submit_batch)
-    app.add_api_route("/v1/files", batches.upload_file, methods=["POST"])
-    app.add_api_route("/v1/files/{file_id}", batches.get_file, methods=["GET"])
-    app.add_api_route("/v1/files/{file_id}/content", batches.file_content, methods=["GET"])
-    app.add_api_route("/v1/batches", batches.create_batch, methods=["POST"])
-    app.add_api_route("/v1/batches", batches.list_batches, methods=["GET"])
-    app.add_api_route("/v1/batches/{batch_id}", batches.get_batch, methods=["GET"])
-    app.add_api_route("/v1/batches/{batch_id}/cancel", batches.cancel_batch, methods=["POST"])
-    app.add_api_route("/healthz", gateway.healthz, methods=["GET"])
-    app.add_api_route("/readyz", gateway.readyz, methods=["GET"])
-    app.add_api_route("/metrics", gateway.prometheus, methods=["GET"])
+    batches = Batches(redis, gateway.authenticated, submit_batch, settings.batch_completion_window_s)
+    routes = [("POST", "/v1/chat/completions", gateway.chat_completions),
+              ("POST", "/v1/completions", gateway.completions),
+              ("GET", "/v1/models", gateway.models),
+              ("POST", "/v1/files", batches.upload_file),
+              ("GET", "/v1/files/{file_id}", batches.get_file),
+              ("GET", "/v1/files/{file_id}/content", batches.file_content),
+              ("POST", "/v1/batches", batches.create_batch),
+              ("GET", "/v1/batches", batches.list_batches),
+              ("GET", "/v1/batches/{batch_id}", batches.get_batch),
+              ("POST", "/v1/batches/{batch_id}/cancel", batches.cancel_batch),
+              ("GET", "/healthz", gateway.healthz),
+              ("GET", "/readyz", gateway.readyz),
+              ("GET", "/metrics", gateway.prometheus)]
+    for method, path, handler in routes:  # each documented as it behaves: gateway/openapi.py
+        app.add_api_route(path, handler, methods=[method], **openapi.operation(method, path))
+    openapi.install(app, gateway.sla.classes)
     app.state.gateway = gateway
     return app

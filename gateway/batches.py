@@ -30,7 +30,6 @@ from gateway.request_body import load_json
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, RequestError, parse
 from services import protocol as p
 from services.redis_client import as_text
-from services.settings import GatewaySettings
 
 ENDPOINTS = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest}
 MAX_FILE_BYTES = 100 << 20  # a file lives in one Redis value
@@ -225,10 +224,9 @@ class Batches:
     PRIVATE = ("tenant", "key")  # record fields for the job, never shown
 
     def __init__(self, redis: aioredis.Redis, authenticated: Callable[[Request], Awaitable[ApiKey]],
-                 submit: Callable[[str], Awaitable[None]] | None, completion_window_s: int | None = None):
+                 submit: Callable[[str], Awaitable[None]] | None, completion_window_s: int):
         self.redis, self.authenticated, self.submit = redis, authenticated, submit
-        self.completion_window_s = (GatewaySettings().batch_completion_window_s if completion_window_s is None
-                                    else completion_window_s)
+        self.completion_window_s = completion_window_s
 
     async def upload_file(self, request: Request) -> dict:
         api_key = await self.authenticated(request)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator, model_validator
 
 from services import protocol as p
 
@@ -19,6 +19,17 @@ MAX_STOP_CHARS = 1024
 MAX_ID_CHARS = 256  # model names, `user`, `cache_salt`
 INT32_MAX, INT64_MAX = 2**31 - 1, 2**63 - 1
 
+# The OpenAPI document's view of what the validators below accept (WithJsonSchema documents; it validates nothing).
+_TEXT_PARTS = {"type": "array", "items": {"type": "object", "required": ["type", "text"], "properties": {
+    "type": {"const": "text"}, "text": {"type": "string"}}}}
+_STOPS = {"anyOf": [{"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS},
+                    {"type": "array", "maxItems": 4, "items": {"type": "string", "minLength": 1,
+                                                               "maxLength": MAX_STOP_CHARS}}]}
+_TOKEN_IDS = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0, "maximum": INT32_MAX}}
+_PROMPT = {"anyOf": [{"type": "string", "minLength": 1}, _TOKEN_IDS,  # or either one alone in a list (a batch of one)
+                     {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "string", "minLength": 1}},
+                     {"type": "array", "minItems": 1, "maxItems": 1, "items": _TOKEN_IDS}]}
+
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -28,7 +39,7 @@ class StreamOptions(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | Annotated[list[dict[str, Any]], WithJsonSchema(_TEXT_PARTS)] | None = None
 
     @field_validator("content")
     @classmethod
@@ -54,7 +65,7 @@ class _Common(BaseModel):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     n: int = Field(default=1, ge=1, le=MAX_N)
-    stop: str | list[str] | None = None
+    stop: Annotated[str | list[str] | None, WithJsonSchema(_STOPS)] = None
     seed: int | None = Field(default=None, ge=-INT64_MAX - 1, le=INT64_MAX)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
@@ -100,6 +111,9 @@ class _Common(BaseModel):
 
 
 class ChatCompletionRequest(_Common):
+    model_config = ConfigDict(json_schema_extra={  # as `_top_logprobs_need_logprobs`
+        "if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer", "minimum": 1}}},
+        "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}})
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     logprobs: bool = False
@@ -126,7 +140,8 @@ class ChatCompletionRequest(_Common):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[Annotated[int, Field(ge=0, le=INT32_MAX)]] = Field(min_length=1)
+    prompt: Annotated[str | list[Annotated[int, Field(ge=0, le=INT32_MAX)]], WithJsonSchema(_PROMPT)] = Field(
+        min_length=1)
     logprobs: int | None = Field(default=None, ge=0, le=20)
 
     @field_validator("prompt", mode="before")
@@ -134,7 +149,7 @@ class CompletionRequest(_Common):
     def _single_prompt(cls, prompt):
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
             return prompt[0]  # a batch of one
-        if isinstance(prompt, list) and prompt and not all(isinstance(t, int) for t in prompt):
+        if isinstance(prompt, list) and prompt and not all(_integral(t) for t in prompt):
             raise ValueError("one prompt per request: a string or a list of token ids")
         return prompt
 
@@ -147,6 +162,11 @@ class CompletionRequest(_Common):
         return p.GenerateRequest(request_id=request_id, kind="completion", model=self.model, prompt=self.prompt,
                                  sampling=self.sampling(self.max_tokens, self.logprobs), api_key_name=api_key_name,
                                  user=self.user, cache_salt=self.engine_salt(prefix_scope))
+
+
+def _integral(token) -> bool:
+    """A token id: an int, or a float with no fraction (JSON's 5.0 is an integer, as for every other field)."""
+    return isinstance(token, int) or isinstance(token, float) and token.is_integer()
 
 
 CACHE_HEADER = "x-tokenfleet-cache"  # a request's cache mode (as the body's `cache`); a response's cache answer

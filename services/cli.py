@@ -63,6 +63,7 @@ BENCHMARKS = {
     "spec": ("bench.spec", "speculative decoding (n-gram, draft models) on against off, quote and chat prompts"),
     "router": ("bench.router_capacity", "a router at a steady request rate: decision delay and rate, by concurrency"),
     "soak": ("bench.soak", "the stack at a steady rate for minutes: every service's RSS slope, p99, nothing lost"),
+    "fuzz": ("bench.fuzz", "Schemathesis against the gateway's OpenAPI document, in process: failures by check"),
 }
 
 
