@@ -128,6 +128,7 @@ class WorkerSettings(BaseSettings):
     kv_cache_dtype: str = "auto"  # int8: keys and values at 8 bits, ~1.9x the tokens in the same KV memory
     # Speculative decoding, vLLM's speculative_config as JSON: {"method": "ngram", "num_speculative_tokens": 4}
     speculative: dict | None = None
+    deterministic: bool = False  # batch-invariant: a request's tokens do not depend on what shares its batch
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     kv_cache_memory_bytes: int | None = None

@@ -114,6 +114,10 @@ class HeadLayout:
 
 
 class TorchPagedAttention:
+    # Whether a decode-only step attends each row on its own, in an order that does not depend on the other rows
+    # (batch-invariant mode needs it): not here, where a group's rows attend over contexts padded to its longest.
+    row_invariant_decode = False
+
     def __init__(self, heads: HeadLayout):
         self.heads = heads
 
@@ -176,6 +180,8 @@ class TorchPagedAttention:
 class CpuPagedAttention(TorchPagedAttention):
     """KV writes and decode attention by `kernels/cpu_kernels.cpp`, straight from the paged cache (bf16 on CPU);
     a decode-only step's rotary, write and attention in one native call."""
+
+    row_invariant_decode = True  # one task per (row, KV head), over exactly the row's context
 
     def __init__(self, heads: HeadLayout, kernels):
         super().__init__(heads)

@@ -25,3 +25,6 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # or int8: keys and values at 8 bits with a scale per token and head
     # Speculative decoding, vLLM's speculative_config: {"method": "ngram", "num_speculative_tokens": k, ...}.
     speculative: dict | None = None
+    # Batch-invariant mode: a request's tokens do not depend on what else shares its steps (one per-row linear
+    # kernel, every token attended on its own), at some cost in speed; dense bf16 weights on an AVX512-BF16 CPU.
+    deterministic: bool = False

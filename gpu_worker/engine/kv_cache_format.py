@@ -100,6 +100,8 @@ class CpuInt8PagedAttention(ScaledPagedAttention):
     context; a decode-only step's rotary, write and attention in one native call. Prefill over a cached context
     attends over such a copy, gathered and dequantized in one pass."""
 
+    row_invariant_decode = True  # one task per (row, KV head), over exactly the row's context
+
     def __init__(self, heads: HeadLayout, kernels):
         super().__init__(heads)
         self.kernels = kernels

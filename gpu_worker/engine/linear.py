@@ -8,6 +8,8 @@ products (plain AVX2), where oneDNN will not pack bf16, the weight is
 widened to float32 as it is read. The reference stays the default everywhere else and is what exactness tests
 compare against.
 Quantized weights plug in as more kernels (`quantization/kernels.py`), each holding its own weight.
+Batch-invariant mode (`EngineConfig.deterministic`) packs every bf16 weight for one kernel instead, whose rows
+do not depend on one another (`RowInvariantBf16LinearKernel`).
 """
 
 from __future__ import annotations
@@ -67,6 +69,25 @@ class WidenedBf16LinearKernel:
                 and not onednn_packs_bf16() and quant_cpu_kernels() is not None)
 
 
+class RowInvariantBf16LinearKernel:
+    """Batch-invariant mode's kernel: `rowwise_mm_bf16` sums each output in one fixed order whatever the number of
+    rows, so a token's result does not depend on what shares its step, where the default kernels switch between
+    a GEMV and oneDNN's matmul, each blocking the sum its own way."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.native = cpu_kernels()
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        y = self.native.rowwise_mm_bf16(x.reshape(-1, x.shape[-1]).contiguous(), weight)
+        y = y.view(*x.shape[:-1], weight.shape[0])
+        return y if bias is None else y + bias
+
+    @staticmethod
+    def supports(weight: torch.Tensor) -> bool:
+        return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.shape[1] % 32 == 0
+                and weight.is_contiguous() and cpu_kernels() is not None)
+
+
 @functools.cache
 def onednn_packs_bf16() -> bool:
     """oneDNN packs bf16 weights only on CPUs with native bf16 support (AVX512-BF16/AMX or AVX-NE-CONVERT);
@@ -101,11 +122,13 @@ class Linear(nn.Linear):
         float32_output = getattr(self.kernel, "float32_output", None)
         return self.forward(x) if float32_output is None else float32_output(x, self.bias)
 
-    def pack(self) -> None:
+    def pack(self, batch_invariant: bool = False) -> None:
         """Prepack the loaded weight for the CPU kernel; the original stays for tied embeddings."""
         if self.weight is None:
             return
-        for kernel in (OneDnnPackedLinearKernel, WidenedBf16LinearKernel):
+        kernels = (RowInvariantBf16LinearKernel,) if batch_invariant else (OneDnnPackedLinearKernel,
+                                                                           WidenedBf16LinearKernel)
+        for kernel in kernels:
             if kernel.supports(self.weight):
                 self.kernel = kernel(self.weight)
                 return
@@ -119,7 +142,7 @@ class Linear(nn.Linear):
         self.weight = None
 
 
-def pack_linears(model: nn.Module) -> None:
+def pack_linears(model: nn.Module, batch_invariant: bool = False) -> None:
     for module in model.modules():
         if isinstance(module, Linear):
-            module.pack()
+            module.pack(batch_invariant)

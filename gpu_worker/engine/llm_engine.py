@@ -75,7 +75,7 @@ class LLMEngine:
         self.eos_token_ids = self.model_config.eos_token_ids | self.tokenizer.eos_token_ids
         quantizer = load_time_quantizer(config.quantization, checkpoint.quantization, self.device)
         self.kv_format = kv_cache_format(config.kv_cache_dtype, self.dtype, self.device)
-        model = load_model(checkpoint, self.dtype, self.device, quantizer, self.kv_format)
+        model = load_model(checkpoint, self.dtype, self.device, quantizer, self.kv_format, config.deterministic)
         speculative = SpeculativeConfig.parse(config.speculative)
         draft = self._load_draft(speculative, checkpoint, model)
         num_blocks = self._num_blocks(draft.config if speculative and speculative.method == "draft" else None)
@@ -83,7 +83,7 @@ class LLMEngine:
         cfg = self.model_config
         kv_caches = self.kv_format.allocate(cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads,
                                             cfg.head_dim, self.device)
-        self.runner = ModelRunner(model, kv_caches, config.block_size, self.device)
+        self.runner = ModelRunner(model, kv_caches, config.block_size, self.device, config.deterministic)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len), self.kv,
             self._proposer(speculative, draft),

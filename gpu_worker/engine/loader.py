@@ -17,7 +17,7 @@ from .checkpoint import Checkpoint
 from .errors import ModelLoadError
 from .host_memory import move_parameters_to_huge_pages_
 from .kv_cache_format import DenseKVFormat, KVCacheFormat
-from .linear import Linear, pack_linears
+from .linear import Linear, RowInvariantBf16LinearKernel, pack_linears
 from .model import Embedding, Transformer
 from .model_config import ModelConfig
 from .quantization.methods import WeightQuantizer
@@ -51,7 +51,10 @@ def _target(name: str, cfg: ModelConfig) -> tuple[str, int | None]:
 
 
 def load_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device,
-               quantizer: WeightQuantizer | None = None, kv_format: KVCacheFormat | None = None) -> Transformer:
+               quantizer: WeightQuantizer | None = None, kv_format: KVCacheFormat | None = None,
+               batch_invariant: bool = False) -> Transformer:
+    """`batch_invariant`: kernels whose result for a token does not depend on the other tokens of its step
+    (`EngineConfig.deterministic`); a ModelLoadError where this model, dtype or device has none."""
     cfg = checkpoint.config
     with torch.device("meta"):
         model = Transformer(cfg)
@@ -83,10 +86,30 @@ def load_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device,
         quantize_model(model, quantizer, dtype, device)
     # Built after the dtype cast: frequencies stay float32, as in HF.
     model.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)
-    pack_linears(model)
-    move_parameters_to_huge_pages_(model)  # the dense weights each decode step streams
-    (kv_format or DenseKVFormat(dtype)).install(model, device)
+    _install_kernels(model, checkpoint, dtype, device, kv_format or DenseKVFormat(dtype), batch_invariant)
     return model.eval()
+
+
+def _install_kernels(model: Transformer, checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device,
+                     kv_format: KVCacheFormat, batch_invariant: bool) -> None:
+    pack_linears(model, batch_invariant)
+    move_parameters_to_huge_pages_(model)  # the dense weights each decode step streams
+    kv_format.install(model, device)
+    if batch_invariant:
+        _require_batch_invariance(model, checkpoint)
+
+
+def _require_batch_invariance(model: Transformer, checkpoint: Checkpoint) -> None:
+    """Every linear on the row-invariant kernel and every layer's attention one query row at a time (the model
+    runner then attends prompts row by row too): dense bf16 weights on a CPU with AVX512-BF16."""
+    linears = {type(m.kernel).__name__ for m in model.modules()
+               if isinstance(m, Linear) and not isinstance(m.kernel, RowInvariantBf16LinearKernel)}
+    attention = {type(layer.self_attn.attn).__name__ for layer in model.layers
+                 if not layer.self_attn.attn.row_invariant_decode}
+    if linears or attention:
+        raise ModelLoadError(
+            f"{checkpoint.path}: deterministic (batch-invariant) mode needs dense bf16 weights on a CPU with "
+            f"AVX512-BF16 and a bf16 or int8 KV cache; this model would run {', '.join(sorted(linears | attention))}")
 
 
 class _Loading:

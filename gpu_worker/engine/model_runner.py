@@ -14,19 +14,25 @@ from .speculative import accepted_prefix
 
 
 class ModelRunner:
-    def __init__(self, model: Transformer, kv_caches: list, block_size: int, device: torch.device):
+    def __init__(self, model: Transformer, kv_caches: list, block_size: int, device: torch.device,
+                 batch_invariant: bool = False):
         self.model = model
         self.device = device
         self.block_size = block_size
         self.kv_caches = kv_caches  # one per layer, as the engine's KVCacheFormat allocated them
         self.sampler = Sampler()
+        # The chunks attended as decode rows, each token on its own over its context: decode steps; in
+        # batch-invariant mode (a model loaded so) every chunk, so that no token's attention depends on where its
+        # prompt's chunks start and end, which the step's shared token budget decides (nor on a prefix-cache hit,
+        # or a recompute after preemption): a token then runs the same ops whatever else its step holds.
+        self.attends_by_row = _every_chunk if batch_invariant else _decodes
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> tuple[dict[int, list[SampledToken]], dict[int, PromptLogprobs]]:
         """The tokens sampled for each sequence whose chunk ends in a sample (one, or with guesses those kept and
         the model's next), and the prompt log-probabilities of the chunks that asked for them, by sequence id."""
         # Decode tokens first, shortest context first: attended in groups; then prefill chunks one by one.
-        chunks = sorted(out.chunks, key=lambda c: (not _decodes(c), c.start))
+        chunks = sorted(out.chunks, key=lambda c: (not self.attends_by_row(c), c.start))
         input_ids, positions, meta = self.prepare(chunks)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         return self._sample(chunks, hidden), prompt_logprobs(self.model, chunks, hidden)
@@ -56,7 +62,7 @@ class ModelRunner:
         bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
-        decodes = [c for c in chunks if _decodes(c)]
+        decodes = [c for c in chunks if self.attends_by_row(c)]
         for c in chunks:
             ids.extend(c.token_ids)
             pos.extend(range(c.start, c.start + c.num_tokens))
@@ -85,6 +91,10 @@ class ModelRunner:
 def _decodes(chunk: ScheduledChunk) -> bool:
     """A decode step's chunk: one token, or its last token and the guesses after it."""
     return chunk.num_tokens == 1 or bool(chunk.guesses)
+
+
+def _every_chunk(chunk: ScheduledChunk) -> bool:
+    return True
 
 
 def _sampling_batch(rows: list[tuple[ScheduledChunk, int]]) -> SamplingBatch:

@@ -11,6 +11,7 @@ from gpu_worker.engine.kernels import cpu_has_avx512_bf16, cpu_kernels, quant_cp
 from gpu_worker.engine.linear import (
     Linear,
     OneDnnPackedLinearKernel,
+    RowInvariantBf16LinearKernel,
     TorchLinearKernel,
     WidenedBf16LinearKernel,
     onednn_packs_bf16,
@@ -39,6 +40,36 @@ def test_few_row_gemv_matches_the_reference(rows):
         w = torch.randn(n, k, dtype=torch.bfloat16)
         x = torch.randn(rows, k, dtype=torch.bfloat16)
         _assert_close_in_bf16(cpu_kernels().gemv_bf16(x, w), F.linear(x.float(), w.float()))
+
+
+@needs_avx512_bf16
+def test_the_row_invariant_product_gives_each_row_the_same_bits_whatever_rows_share_it():
+    """Batch-invariant mode's linear: a row's output is the same for any number of rows and any row around it
+    (tiles of 1-4 rows by up to 16 weight rows, and blocks of 16 weight rows cut short)."""
+    torch.manual_seed(0)
+    for n, k in [(96, 256), (37, 96), (5, 32)]:
+        w = torch.randn(n, k, dtype=torch.bfloat16)
+        x = torch.randn(41, k, dtype=torch.bfloat16)
+        every = cpu_kernels().rowwise_mm_bf16(x, w)
+        _assert_close_in_bf16(every, F.linear(x.float(), w.float()))
+        for start, rows in [(0, 1), (3, 2), (7, 3), (1, 4), (10, 5), (2, 9), (20, 21)]:
+            assert torch.equal(cpu_kernels().rowwise_mm_bf16(x[start:start + rows].contiguous(), w),
+                               every[start:start + rows])
+
+
+@needs_avx512_bf16
+@pytest.mark.parametrize("bias", [False, True])
+def test_batch_invariant_packing_serves_every_row_count_with_the_row_invariant_kernel(bias):
+    torch.manual_seed(1)
+    layer = Linear(128, 64, bias=bias).to(torch.bfloat16)
+    layer.pack(batch_invariant=True)
+    assert isinstance(layer.kernel, RowInvariantBf16LinearKernel)
+    x = torch.randn(12, 128, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        every = layer(x)
+        _assert_close_in_bf16(every, F.linear(x.float(), layer.weight.float(),
+                                              None if layer.bias is None else layer.bias.float()))
+        assert all(torch.equal(layer(x[i:i + 1]), every[i:i + 1]) for i in range(12))
 
 
 def test_bf16_layers_are_widened_to_float32_where_onednn_cannot_pack_bf16():

@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "cpu_kernels.h"
+#include "sum16.h"
 
 // y[1, N] = x[1, K] @ w[N, K]^T with fp32 accumulation. Batch-1 decode is one such product per weight;
 // oneDNN's bf16 path reaches about 60% of the read bandwidth on it. Each OpenMP thread takes one
@@ -62,6 +63,78 @@ torch::Tensor gemv_bf16(const torch::Tensor& x, const torch::Tensor& w) {
     case 3: gemv_rows_bf16<3>(xp, wp, yp, N, K); break;
     case 4: gemv_rows_bf16<4>(xp, wp, yp, N, K); break;
     default: gemv_rows_bf16<5>(xp, wp, yp, N, K); break;
+  }
+  return y;
+}
+
+// Batch-invariant mode's product, y[M, N] = x[M, K] @ w[N, K]^T for any M, each output summed in one order whatever
+// M and whatever tile computes it, so that a row's result does not depend on the other rows: one fp32 chain over K
+// in steps of 32, then sum16's tree across its lanes. A tile of MR rows of x by NR rows of w (MR * NR <= 16) shares
+// each load and reduces its sums together; its shape changes which sums run side by side, never how one is summed
+// (sum16 adds each vector's lanes in the same tree wherever it sits, an unused slot holding zeros). K % 32 == 0.
+template <int MR, int NR>
+static inline void tile_dot_bf16(const uint16_t* x, const uint16_t* w, int64_t K, uint16_t* y, int64_t N) {
+  static_assert(MR * NR <= 16);
+  __m512 acc[16];
+  for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+  if constexpr (MR == 1) {  // one row of x (a decode): rows of w one after another, one stream as gemv_bf16 reads
+    for (int n = 0; n < NR; n++)
+      for (int64_t k = 0; k < K; k += 32)
+        acc[n] = _mm512_dpbf16_ps(acc[n], (__m512bh)_mm512_loadu_si512(w + n * K + k),
+                                  (__m512bh)_mm512_loadu_si512(x + k));
+  } else {
+    for (int64_t k = 0; k < K; k += 32) {
+      __m512bh wv[NR];
+      for (int n = 0; n < NR; n++) wv[n] = (__m512bh)_mm512_loadu_si512(w + n * K + k);
+      for (int m = 0; m < MR; m++) {
+        const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * K + k);
+        for (int n = 0; n < NR; n++) acc[m * NR + n] = _mm512_dpbf16_ps(acc[m * NR + n], wv[n], xv);
+      }
+    }
+  }
+  alignas(32) uint16_t sums[16];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(sums), to_bf16x16(sum16(acc)));
+  for (int m = 0; m < MR; m++) std::memcpy(y + m * N, sums + m * NR, NR * sizeof(uint16_t));
+}
+
+// The MR-row tile over the next `nr` rows of w: NR = 16 / MR of them, fewer at a block's end.
+template <int MR, int NR = 16 / MR>
+static inline void tile_rows_bf16(int64_t nr, const uint16_t* x, const uint16_t* w, int64_t K, uint16_t* y, int64_t N) {
+  if constexpr (NR > 1) {
+    if (nr < NR) return tile_rows_bf16<MR, NR - 1>(nr, x, w, K, y, N);
+  }
+  tile_dot_bf16<MR, NR>(x, w, K, y, N);
+}
+
+torch::Tensor rowwise_mm_bf16(const torch::Tensor& x, const torch::Tensor& w) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16, "x must be [M, K] contiguous bf16");
+  TORCH_CHECK(w.is_contiguous() && w.scalar_type() == at::kBFloat16 && w.size(1) == x.size(1) && w.size(1) % 32 == 0,
+              "w must be [N, K] contiguous bf16, K % 32 == 0");
+  const int64_t M = x.size(0), K = w.size(1), N = w.size(0);
+  auto y = torch::empty({M, N}, x.options());
+  const auto* xp = static_cast<const uint16_t*>(x.data_ptr());
+  const auto* wp = static_cast<const uint16_t*>(w.data_ptr());
+  auto* yp = static_cast<uint16_t*>(y.data_ptr());
+  // Each thread takes contiguous blocks of 16 rows of w and passes all of x over a block while it is in cache.
+  constexpr int64_t kBlockN = 16;
+#pragma omp parallel for schedule(static)
+  for (int64_t block = 0; block < (N + kBlockN - 1) / kBlockN; block++) {
+    const int64_t n0 = block * kBlockN, n1 = std::min(N, n0 + kBlockN);
+    for (int64_t m = 0; m < M; m += 4) {
+      const int64_t mr = std::min<int64_t>(4, M - m), wide = 16 / mr;
+      for (int64_t n = n0; n < n1; n += wide) {
+        const int64_t nr = std::min(wide, n1 - n);
+        const uint16_t* xm = xp + m * K;
+        const uint16_t* wn = wp + n * K;
+        uint16_t* ym = yp + m * N + n;
+        switch (mr) {
+          case 1: tile_rows_bf16<1>(nr, xm, wn, K, ym, N); break;
+          case 2: tile_rows_bf16<2>(nr, xm, wn, K, ym, N); break;
+          case 3: tile_rows_bf16<3>(nr, xm, wn, K, ym, N); break;
+          default: tile_rows_bf16<4>(nr, xm, wn, K, ym, N); break;
+        }
+      }
+    }
   }
   return y;
 }
@@ -197,6 +270,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm_bf16", &rms_norm_bf16);
   m.def("add_rms_norm_bf16", &add_rms_norm_bf16);
   m.def("gemv_bf16", &gemv_bf16);
+  m.def("rowwise_mm_bf16", &rowwise_mm_bf16);
   m.def("paged_decode_attention_bf16", &paged_decode_attention_bf16);
   m.def("write_kv_bf16", &write_kv_bf16);
   m.def("paged_decode_attention_int8", &paged_decode_attention_int8);
