@@ -48,8 +48,8 @@ def test_a_prompt_past_the_context_is_refused_by_the_gateway_before_it_is_queued
         stack.client().completions.create(model=MODEL, prompt="x " * 5000, max_tokens=4)
     assert (err.value.body["code"], err.value.body["param"]) == ("context_length_exceeded", "prompt")
     request_id = err.value.response.headers["x-request-id"]
-    entries = stack.redis().xrange(p.REQUESTS_STREAM)
-    assert not [f for _, f in entries if p.decode(p.GenerateRequest, f).request_id == request_id]
+    entries = stack.redis().xrange(p.REQUESTS_STREAM)  # raw: other tests leave entries that do not decode
+    assert not [fields for _, fields in entries if request_id in (p.raw_message(fields) or "")]
 
 
 def test_a_request_the_worker_rejects_is_recorded_as_rejected_not_as_a_failure(stack):
