@@ -18,7 +18,7 @@ from gateway.idempotency import FirstRequest, Idempotency
 from gateway.render import ResponseBuilder
 from gateway.schemas import CACHE_HEADER, ChatCompletionRequest, RequestError
 from services import protocol as p
-from services.redis_client import UNREACHABLE, until_reachable
+from services.redis_client import RECONNECTING, UNREACHABLE, until_reachable
 from services.settings import GatewaySettings, StreamSettings
 from services.streams import add_reply, follow_replies, signal_cancel
 
@@ -146,7 +146,7 @@ class Relay:
                     add_reply(pipe, request_id, p.ReplyChunk(kind="error", error=error), self.streams)
                     await pipe.execute()
                 return
-            except UNREACHABLE:
+            except RECONNECTING:
                 await until_reachable(self.redis, self.streams.reply_ttl_s)
 
     def _later(self, coro) -> None:

@@ -14,6 +14,9 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 # Redis down, restarting or still loading its data (BusyLoadingError is a ConnectionError): worth waiting out,
 # unlike a refused command.
 UNREACHABLE = (RedisConnectionError, RedisTimeoutError)
+# Also what a connection can raise while Redis restarts: uvloop's RuntimeError ("the handler is closed") when the
+# server closes a connection redis-py is still setting up (its HELLO), which redis-py does not wrap.
+RECONNECTING = (*UNREACHABLE, RuntimeError)
 
 
 class EmbeddedRedis:
@@ -44,7 +47,7 @@ def connect(url: str) -> aioredis.Redis:
 
 
 async def until_reachable(redis: aioredis.Redis, give_up_s: float | None) -> None:
-    """Returns once Redis answers a PING, backing off up to 2 s between tries; raises the last error after
+    """Returns once Redis answers a PING, backing off up to 2 s between tries; a ConnectionError after
     `give_up_s` (None: never gives up). The pool's broken connections are replaced on the way."""
     deadline = None if give_up_s is None else time.monotonic() + give_up_s
     pause = 0.05
@@ -52,8 +55,8 @@ async def until_reachable(redis: aioredis.Redis, give_up_s: float | None) -> Non
         try:
             await redis.ping()
             return
-        except UNREACHABLE:
+        except RECONNECTING as exc:
             if deadline is not None and time.monotonic() + pause > deadline:
-                raise
+                raise RedisConnectionError(f"Redis did not answer within {give_up_s:.0f} s: {exc}") from exc
         await asyncio.sleep(pause)
         pause = min(2.0, pause * 2)

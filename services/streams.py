@@ -15,7 +15,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
 from . import protocol as p
-from .redis_client import UNREACHABLE, as_text, until_reachable
+from .redis_client import RECONNECTING, as_text, until_reachable
 from .settings import StreamSettings
 
 # Longest blocking read: under redis-py's socket timeout (5 s by default), which would cut a longer one.
@@ -388,7 +388,7 @@ async def follow_replies(redis: aioredis.Redis, request_id: str, timeout_s: floa
         wait_ms = int(max(1.0, (deadline - time.monotonic()) * 1000))
         try:
             reply = await redis.xread({key: last_id}, block=min(wait_ms, BLOCK_MS))
-        except UNREACHABLE:
+        except RECONNECTING:
             await until_reachable(redis, outage_s)
             continue
         if not reply:
