@@ -219,7 +219,7 @@ async def expire_if_due(redis: aioredis.Redis, batch: dict, now: float | None = 
 
 class Batches:
     """The handlers. `submit(batch_id)` hands a new batch to the job that runs it; a batch expires
-    `completion_window_s` after its creation (default: TOKENFLEET_GATEWAY_BATCH_COMPLETION_WINDOW_S)."""
+    `completion_window_s` after its creation (the gateway passes TOKENFLEET_GATEWAY_BATCH_COMPLETION_WINDOW_S)."""
 
     PRIVATE = ("tenant", "key")  # record fields for the job, never shown
 

@@ -18,7 +18,7 @@ from gateway.idempotency import FirstRequest, Idempotency
 from gateway.render import ResponseBuilder
 from gateway.schemas import CACHE_HEADER, ChatCompletionRequest, RequestError
 from services import protocol as p
-from services.redis_client import RECONNECTING, UNREACHABLE, until_reachable
+from services.redis_client import RECONNECTING, UNREACHABLE, Outage
 from services.settings import GatewaySettings, StreamSettings
 from services.streams import add_reply, follow_replies, signal_cancel
 
@@ -139,6 +139,7 @@ class Relay:
         a request left uncancelled would run, and be billed, for nobody."""
         error = p.ErrorBody(message="the request was cancelled: its client disconnected", type="server_error",
                             code="cancelled", status=499)
+        outage = Outage(self.streams.reply_ttl_s)
         while True:
             try:
                 async with self.redis.pipeline(transaction=False) as pipe:
@@ -146,8 +147,8 @@ class Relay:
                     add_reply(pipe, request_id, p.ReplyChunk(kind="error", error=error), self.streams)
                     await pipe.execute()
                 return
-            except RECONNECTING:
-                await until_reachable(self.redis, self.streams.reply_ttl_s)
+            except RECONNECTING as exc:
+                await outage.wait(self.redis, exc)
 
     def _later(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)

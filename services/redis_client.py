@@ -60,3 +60,24 @@ async def until_reachable(redis: aioredis.Redis, give_up_s: float | None) -> Non
                 raise RedisConnectionError(f"Redis did not answer within {give_up_s:.0f} s: {exc}") from exc
         await asyncio.sleep(pause)
         pause = min(2.0, pause * 2)
+
+
+class Outage:
+    """A caller's wait on a failing Redis, bounded in total: `wait` after each failure returns once Redis answers
+    again, and raises a ConnectionError once failures have gone on for `give_up_s` (even failures a PING does not
+    see, which would otherwise be retried in a tight loop). `over` after a success starts the count anew."""
+
+    def __init__(self, give_up_s: float):
+        self.give_up_s, self.since = give_up_s, None
+
+    async def wait(self, redis: aioredis.Redis, failure: BaseException) -> None:
+        now = time.monotonic()
+        self.since = self.since if self.since is not None else now
+        left = self.give_up_s - (now - self.since)
+        if left <= 0:
+            raise RedisConnectionError(f"Redis failed for {self.give_up_s:.0f} s: {failure}") from failure
+        await until_reachable(redis, left)
+        await asyncio.sleep(0.05)  # Redis answers a PING: a command that still fails is retried, not spun on
+
+    def over(self) -> None:
+        self.since = None

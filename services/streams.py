@@ -15,7 +15,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
 from . import protocol as p
-from .redis_client import RECONNECTING, as_text, until_reachable
+from .redis_client import RECONNECTING, Outage, as_text
 from .settings import StreamSettings
 
 # Longest blocking read: under redis-py's socket timeout (5 s by default), which would cut a longer one.
@@ -382,15 +382,16 @@ async def follow_replies(redis: aioredis.Redis, request_id: str, timeout_s: floa
     the dead one published; positions tell). Ends after "finished" or "error"; TimeoutError if silent.
     An unreachable Redis is waited out for `outage_s` (the reading resumes where it stopped, and the worker
     resumes from what the stream holds), then its error is raised."""
-    key, next_position = p.reply_stream(request_id), {}
+    key, next_position, outage = p.reply_stream(request_id), {}, Outage(outage_s)
     deadline = time.monotonic() + timeout_s
     while True:
         wait_ms = int(max(1.0, (deadline - time.monotonic()) * 1000))
         try:
             reply = await redis.xread({key: last_id}, block=min(wait_ms, BLOCK_MS))
-        except RECONNECTING:
-            await until_reachable(redis, outage_s)
+        except RECONNECTING as exc:
+            await outage.wait(redis, exc)
             continue
+        outage.over()
         if not reply:
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"no reply for request {request_id} within {timeout_s:.0f} s")
