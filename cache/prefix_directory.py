@@ -18,7 +18,7 @@ import logging
 import redis.asyncio as aioredis
 
 from services import protocol as p
-from services import streams
+from services.redis_client import BLOCK_MS
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ class PrefixIndex:
         resync_at = asyncio.get_running_loop().time() + RESYNC_S
         while True:
             reply = await self.redis.xread({p.prefix_events_stream(self.model): self._cursor}, count=1000,
-                                           block=streams.BLOCK_MS)
+                                           block=BLOCK_MS)
             for entry_id, fields in reply[0][1] if reply else []:
                 self._cursor = entry_id
                 self._apply(p.decode(p.PrefixChange, fields))

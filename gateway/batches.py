@@ -289,6 +289,7 @@ class Batches:
             pipe.expire(key, p.BATCH_TTL_S)
             pipe.zadd(index, {batch["id"]: time.time()})
             pipe.expire(index, p.BATCH_TTL_S)
+            pipe.zadd(p.ACTIVE_BATCHES_KEY, {batch["id"]: time.time()})
             await pipe.execute()
         if self.submit is not None:
             try:

@@ -19,8 +19,8 @@ from gateway.render import ResponseBuilder
 from gateway.schemas import CACHE_HEADER, ChatCompletionRequest, RequestError
 from services import protocol as p
 from services.redis_client import RECONNECTING, UNREACHABLE, Outage
+from services.replies import add_reply, follow_replies, signal_cancel
 from services.settings import GatewaySettings, StreamSettings
-from services.streams import add_reply, follow_replies, signal_cancel
 
 
 def sse(obj: dict | str) -> str:

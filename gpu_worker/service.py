@@ -18,7 +18,6 @@ import time
 from collections import defaultdict
 
 import redis.asyncio as aioredis
-from opentelemetry import trace
 from redis.exceptions import ResponseError
 
 from cache.prefix_directory import PrefixDirectory
@@ -26,10 +25,11 @@ from cache.response_cache import ResponseCache
 from gpu_worker.engine import AsyncLLMEngine, InvalidRequestError, RequestOutput
 from gpu_worker.metrics import WorkerMetrics
 from gpu_worker.orphan_inboxes import OrphanInboxes
+from gpu_worker.request_clock import RequestClock
 from gpu_worker.request_codec import ReplyHistory, logprob_entries, prompt_ids, sampling_params
 from services import protocol as p
-from services import streams, telemetry
-from services.redis_client import UNREACHABLE, until_reachable
+from services import replies, streams, telemetry
+from services.redis_client import BLOCK_MS, UNREACHABLE, until_reachable
 from services.settings import StreamSettings, WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ class Worker:
         self.settings, self.streams = settings, stream_settings
         self.shared = p.work_stream(info.name)  # what the router sends to no worker in particular
         self.inbox = p.inbox_stream(info.name, worker_id)
-        self.replies = streams.ReplyPublisher(redis, stream_settings)
+        self.replies = replies.ReplyPublisher(redis, stream_settings)
         self.directory = PrefixDirectory(redis, info.name)
         self.orphans = OrphanInboxes(redis, info.name, worker_id, stream_settings, self.directory)
         self.metrics, self.metrics_port = metrics, metrics_port
@@ -115,7 +115,7 @@ class Worker:
             # the free slots. The shared stream is used only while no worker is live (start-up): not waited on.
             got = await streams.read_new(self.redis, self.shared, p.WORKER_GROUP, self.worker_id, free, None)
             await self._start(got or await streams.read_new(self.redis, self.inbox, p.WORKER_GROUP, self.worker_id,
-                                                            free, streams.BLOCK_MS))
+                                                            free, BLOCK_MS))
 
     async def _janitor_loop(self) -> None:
         # Stale entries of its own inbox too: one this worker read and lost (a dropped reply, a failed
@@ -175,7 +175,7 @@ class Worker:
             if await self.redis.exists(p.cancel_key(rid)):
                 await self._abandon(delivery, request, "cancelled")
                 return
-            history = ReplyHistory.of(await streams.reply_history(self.redis, rid)) if delivery.claimed \
+            history = ReplyHistory.of(await replies.reply_history(self.redis, rid)) if delivery.claimed \
                 else ReplyHistory()
             if history.closed:
                 await self.redis.xack(delivery.stream, p.WORKER_GROUP, delivery.entry_id)
@@ -209,7 +209,7 @@ class Worker:
                                    prompt_tokens=len(ids), cache=_cache_result(request),
                                    traceparent=request.traceparent)
             self.replies.publish_nowait(rid, [started])  # ordered before the deltas; no need to wait for it
-        clock = _Clock(request.enqueued_at, history.first_delta_at)
+        clock = RequestClock(request.enqueued_at, history.first_delta_at)
         positions = {i: len(c.token_ids) for i, c in history.choices.items()}
         finish_reasons = {i: c.finish_reason for i, c in history.choices.items()}
         resume = history.resume(params.n)
@@ -242,7 +242,7 @@ class Worker:
         the response ends, so a client repeating it at once finds it (a millisecond on opted-in requests only).
         A cache write that fails costs a later hit, never this request."""
         try:
-            history = ReplyHistory.of(await streams.reply_history(self.redis, request.request_id))
+            history = ReplyHistory.of(await replies.reply_history(self.redis, request.request_id))
             completion = history.completion(self.info.name, usage, request.sampling.max_tokens)
             await self.caches.store(request.cache_fill, completion)
         except Exception:
@@ -250,7 +250,7 @@ class Worker:
 
     async def _relay(self, rid: str, ids: list[int], params, resume, request: p.GenerateRequest,
                      positions: dict[int, int], finish_reasons: dict[int, str | None],
-                     clock: _Clock) -> RequestOutput | None:
+                     clock: RequestClock) -> RequestOutput | None:
         """Engine deltas to the reply stream, numbered by position per sample; returns the last output."""
         engine, out = self.engine.engine, None
         # aclosing: a cancel that lands while a chunk is being published must still abort the request.
@@ -337,7 +337,7 @@ class Worker:
             await pubsub.subscribe(p.CANCEL_CHANNEL)
             while True:
                 # Polled with a timeout: a blocking listen would hit the client's socket timeout when idle.
-                message = await pubsub.get_message(timeout=streams.BLOCK_MS / 1000)
+                message = await pubsub.get_message(timeout=BLOCK_MS / 1000)
                 if message and (entry := self.inflight.get(message["data"])):
                     delivery, task = entry
                     task.cancel()  # generate()'s exit aborts the request and frees its blocks
@@ -357,7 +357,7 @@ class Worker:
     async def _abandon(self, delivery: streams.Delivery, request: p.GenerateRequest, status: p.TaskStatus) -> None:
         """Acknowledge a request that will not finish, with its completion event: what its reply stream shows
         it got (a cancelled stream's tokens were computed and sent; the ledger counts them)."""
-        entries = await streams.reply_history(self.redis, request.request_id)
+        entries = await replies.reply_history(self.redis, request.request_id)
         if any(chunk.kind == "finished" for _, chunk in entries):  # it finished as the cancel came: its own
             await self.redis.xack(delivery.stream, p.WORKER_GROUP, delivery.entry_id)  # event stands alone
             return
@@ -368,38 +368,6 @@ class Worker:
             streams.add_event(pipe, self._abandoned(request, status, usage))
             pipe.xack(delivery.stream, p.WORKER_GROUP, delivery.entry_id)
             await pipe.execute()
-
-
-class _Clock:
-    """Wall-clock times of one request, from its enqueueing at the gateway (seconds since the epoch)."""
-
-    def __init__(self, enqueued_at: float, first_token_at: float | None):
-        self.enqueued_at = enqueued_at
-        self.admitted_at = time.time()
-        self.first_token_at = first_token_at
-
-    def token(self) -> None:
-        self.first_token_at = self.first_token_at or time.time()
-
-    def trace(self, request: p.GenerateRequest, usage: p.Usage) -> None:
-        """Queue wait (routed -> taken by this worker), prefill (-> first token) and decode (-> now) as spans of
-        the worker's hop, and the GenAI usage attributes on it."""
-        now, hop = time.time(), trace.get_current_span()
-        routed = request.routing.decided_at if request.routing else self.enqueued_at
-        first = self.first_token_at or now
-        telemetry.record("queue worker", hop, routed, self.admitted_at)
-        telemetry.record("prefill", hop, self.admitted_at, first, {"gen_ai.usage.input_tokens": usage.prompt_tokens})
-        telemetry.record("decode", hop, first, now, {"gen_ai.usage.output_tokens": usage.completion_tokens})
-        hop.set_attributes({"gen_ai.usage.input_tokens": usage.prompt_tokens,
-                            "gen_ai.usage.output_tokens": usage.completion_tokens,
-                            "tokenfleet.cached_tokens": usage.cached_tokens})
-
-    def timing(self, completion_tokens: int, engine_step_s: float) -> p.Timing:
-        now = time.time()
-        first = self.first_token_at or now
-        tpot = (now - first) / (completion_tokens - 1) if completion_tokens > 1 else 0.0
-        return p.Timing(queue_s=self.admitted_at - self.enqueued_at, ttft_s=first - self.enqueued_at, tpot_s=tpot,
-                        e2e_s=now - self.enqueued_at, engine_s=now - self.admitted_at, engine_step_s=engine_step_s)
 
 
 def _cache_result(request: p.GenerateRequest) -> str | None:

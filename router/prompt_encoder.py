@@ -27,6 +27,11 @@ class PromptEncoder:
         with self._loading:
             return self._cached(model_dir)
 
+    def warm(self, model_dir: str) -> bool:
+        """Loads the model's tokenizer now (a GGUF file's takes seconds to build), so that no request waits for
+        it; False when this host has none."""
+        return self._tokenizer(model_dir) is not None
+
     @staticmethod
     def _load(model_dir: str) -> Tokenizer | None:
         try:

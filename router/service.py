@@ -6,6 +6,7 @@ reason is stamped on the request, which carries them to the worker and into the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
@@ -14,6 +15,8 @@ import redis.asyncio as aioredis
 from cache.prefix_directory import PrefixIndex
 from cache.response_cache import NOT_ASKED, CacheLookup, ResponseCache
 from gpu_worker.engine.block_hash import block_hashes
+from gpu_worker.engine.checkpoint import is_model_name, resolve_model_path
+from gpu_worker.engine.errors import ModelLoadError
 from router.cache_replay import answer_from_cache
 from router.fleet_view import FleetView
 from router.policy import TierPolicy
@@ -25,11 +28,13 @@ from services import streams, telemetry
 from services.settings import StreamSettings
 
 log = logging.getLogger(__name__)
+TOKENIZER_POLL_S = 5.0  # how often the router looks for newly served models whose tokenizer it lacks
 
 
 class Router:
     def __init__(self, redis: aioredis.Redis, tiers: TierPolicy, chooser: WorkerChooser | RoundRobinChooser,
-                 caches: ResponseCache, router_id: str, stream_settings: StreamSettings, max_concurrency: int = 64):
+                 caches: ResponseCache, router_id: str, stream_settings: StreamSettings, max_concurrency: int = 64,
+                 encoder: PromptEncoder | None = None):
         """`max_concurrency`: requests routed at once. One at a time, a request's tokenizing (in a thread) and
         embedding held up every request behind it; its Redis round trips overlap the others'."""
         self.redis, self.tiers, self.chooser, self.caches = redis, tiers, chooser, caches
@@ -37,16 +42,18 @@ class Router:
         self._routing: set[asyncio.Task] = set()
         self._index_loading = asyncio.Lock()
         self._slot_freed = asyncio.Event()
-        self.encoder = PromptEncoder()
+        self.encoder = encoder or PromptEncoder()
         self.fleet = FleetView(redis)
         self.sent_prefixes = SentPrefixes()
         self._indexes: dict[str, PrefixIndex] = {}  # per model, each followed by a task in _followers
         self._followers: set[asyncio.Task] = set()
+        self._warmed: set[str] = set()  # model directories whose tokenizer is loaded (or absent on this host)
 
     async def run(self, stop: asyncio.Event) -> None:
         await streams.ensure_group(self.redis, p.REQUESTS_STREAM, p.ROUTER_GROUP)
         janitor = asyncio.create_task(streams.restarting("router janitor", self._janitor_loop, log))
         self._followers.add(asyncio.create_task(streams.restarting("fleet view", self.fleet.follow, log)))
+        self._followers.add(asyncio.create_task(streams.restarting("tokenizers", self._warm_tokenizers, log)))
         try:
             while not stop.is_set():
                 free = self.max_concurrency - len(self._routing)
@@ -168,6 +175,21 @@ class Router:
                 task = asyncio.create_task(streams.restarting(f"prefix index of {model}", index.follow, log))
                 self._followers.add(task)
         return index
+
+    async def _warm_tokenizers(self) -> None:
+        """Loads the tokenizers before requests need them: the tiers' built-in models at start-up (while their
+        workers load), then any other model as its first worker registers it."""
+        warmed = set()
+        for name in self.tiers.models():
+            if is_model_name(name):
+                with contextlib.suppress(ModelLoadError):  # not installed here: its workers register its path
+                    warmed.add(str(resolve_model_path(name)))
+        while True:
+            for model_dir in warmed - self._warmed:
+                await asyncio.to_thread(self.encoder.warm, model_dir)
+                self._warmed.add(model_dir)
+            await asyncio.sleep(TOKENIZER_POLL_S)
+            warmed = {info.model_dir for info in (await self._models()).values()}
 
     async def _models(self) -> dict[str, p.ModelInfo]:
         registered = await self.redis.hgetall(p.MODELS_KEY)

@@ -64,6 +64,7 @@ BENCHMARKS = {
     "router": ("bench.router_capacity", "a router at a steady request rate: decision delay and rate, by concurrency"),
     "soak": ("bench.soak", "the stack at a steady rate for minutes: every service's RSS slope, p99, nothing lost"),
     "fuzz": ("bench.fuzz", "Schemathesis against the gateway's OpenAPI document, in process: failures by check"),
+    "deterministic": ("bench.deterministic", "batch-invariant mode against the default kernels: decode and prefill"),
 }
 
 

@@ -102,6 +102,17 @@ def batches_key(tenant: str) -> str:
     return f"{PREFIX}:batches:{tenant}"
 
 
+# Batches a job is running or may run (created, not yet final), across tenants: what the sweep
+# (services/accounting/batch_lease.py) looks through for a batch whose job died.
+ACTIVE_BATCHES_KEY = f"{PREFIX}:batches-active"
+
+
+def batch_lease_key(batch_id: str) -> str:
+    """String with a TTL: the token of the job running the batch (refreshed while it runs), or `queued` while a
+    job the sweep sent for it waits in Celery's queue."""
+    return f"{PREFIX}:batch-lease:{batch_id}"
+
+
 def batch_output_key(batch_id: str) -> str:
     """Hash: custom_id -> its output line, for lines that succeeded; what a re-run job skips."""
     return f"{PREFIX}:batch-output:{batch_id}"

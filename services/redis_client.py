@@ -17,6 +17,8 @@ UNREACHABLE = (RedisConnectionError, RedisTimeoutError)
 # Also what a connection can raise while Redis restarts: uvloop's RuntimeError ("the handler is closed") when the
 # server closes a connection redis-py is still setting up (its HELLO), which redis-py does not wrap.
 RECONNECTING = (*UNREACHABLE, RuntimeError)
+# Longest blocking read: under redis-py's socket timeout (5 s by default), which would cut a longer one.
+BLOCK_MS = 1000
 
 
 class EmbeddedRedis:

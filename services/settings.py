@@ -107,6 +107,12 @@ class AccountingSettings(BaseSettings):
     rollup_interval_s: float = 300.0
     rollup_lookback_hours: int = 6
     retention_days: int = 90  # 0: keep raw rows forever
+    # Batch API jobs (services/accounting/batch_lease.py): a running job renews a `batch_lease_s` lease on its
+    # batch; every `batch_sweep_interval_s` the sweep sends a new job for a started batch whose lease lapsed
+    # (its worker died), and sends it again if that job has not started `batch_requeue_after_s` later.
+    batch_lease_s: float = 30.0
+    batch_sweep_interval_s: float = 30.0
+    batch_requeue_after_s: float = 600.0
 
     def ledger_url(self) -> str:
         if self.database_url:

@@ -7,8 +7,10 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from gpu_worker.engine import LLM, SamplingParams
+from gpu_worker.engine.kernels import cpu_kernels
 
 
 def _tokenfleet(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -76,6 +78,21 @@ def test_bench_spec_reports_each_proposer_against_no_speculation_per_prompt_set_
     assert all(f["tps"] > 0 and f["tokens_per_forward"] >= 1 for s in sets.values() for f in s["methods"].values())
     assert sets["chat, batch 1"]["methods"]["self-int8"]["acceptance"] > 0
     assert "| quote, batch 1 | self-int8 |" in proc.stdout
+
+
+@pytest.mark.skipif(cpu_kernels() is None, reason="batch-invariant mode needs AVX512-BF16")
+def test_bench_deterministic_reports_each_workloads_cost_per_round(make_checkpoint, tmp_path):
+    # head_dim 32, which the batch-invariant attention takes
+    model = make_checkpoint("llama", dtype=torch.bfloat16, hidden_size=128, intermediate_size=256)
+    out = tmp_path / "deterministic.json"
+    proc = _tokenfleet("bench", "deterministic", "--model", str(model), "--rounds", "2", "--batch", "2",
+                       "--max-tokens", "4", "--prefill-len", "40", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    figures = json.loads(out.read_text())["figures"]
+    assert set(figures) == {"decode b1", "decode bN", "prefill"}
+    assert all(f["default"] > 0 and f["deterministic"] > 0 and f["ratio"][1] <= f["ratio"][0] <= f["ratio"][2]
+               for f in figures.values())
+    assert "prefill, 40 tokens" in proc.stdout
 
 
 def test_bench_prefix_reports_ttft_with_caching_on_and_off(model_dir, tmp_path):

@@ -46,10 +46,11 @@ from gateway.budgets import Budgets, Estimator
 from gateway.render import ResponseBuilder
 from gateway.schemas import RequestError, cache_mode
 from services import protocol as p
+from services.accounting.batch_lease import BatchLease
 from services.accounting.prices import PriceTable
 from services.redis_client import connect
+from services.replies import follow_replies, signal_cancel
 from services.settings import AccountingSettings, CacheSettings, GatewaySettings, RouterSettings, StreamSettings
-from services.streams import follow_replies, signal_cancel
 
 log = logging.getLogger(__name__)
 MAX_IN_FLIGHT = 8
@@ -64,13 +65,15 @@ return 1
 """
 
 
-def run_batch(redis_url: str, batch_id: str, max_in_flight: int = MAX_IN_FLIGHT) -> dict:
-    """Runs the batch to its end (or its cancellation); returns its request counts."""
+def run_batch(redis_url: str, batch_id: str, max_in_flight: int = MAX_IN_FLIGHT, lease_s: float = 30.0) -> dict:
+    """Runs the batch to its end (or its cancellation); returns its request counts, or {} when another job runs
+    it (see batch_lease.py: the job holds a `lease_s` lease on the batch while it runs)."""
 
     async def main() -> dict:
         redis = connect(redis_url)
         try:
-            return await BatchJob(redis, batch_id, max_in_flight).run()
+            job = BatchJob(redis, batch_id, max_in_flight)
+            return await BatchLease(redis, batch_id, lease_s).hold(job.run) or {}
         finally:
             await redis.aclose()
 

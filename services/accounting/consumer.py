@@ -20,6 +20,7 @@ from services.accounting import ledger
 from services.accounting.metrics import LedgerMetrics
 from services.accounting.prices import PriceTable
 from services.accounting.sla import SlaPolicy
+from services.redis_client import BLOCK_MS
 from services.settings import StreamSettings
 
 log = logging.getLogger(__name__)
@@ -53,7 +54,7 @@ class LedgerConsumer:
 
     async def _read_once(self) -> None:
         await self.write(await streams.read_new(self.redis, p.EVENTS_STREAM, ACCOUNTING_GROUP, self.consumer_id,
-                                                BATCH, streams.BLOCK_MS))
+                                                BATCH, BLOCK_MS))
 
     async def _janitor_loop(self) -> None:
         claimer = streams.StaleClaimer(self.redis, p.EVENTS_STREAM, ACCOUNTING_GROUP, self.consumer_id, self.streams)

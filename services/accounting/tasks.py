@@ -1,5 +1,6 @@
 """The ledger's background jobs on Celery, with Redis (REDIS_URL) as the broker: rollups of recent buckets every
-few minutes and retention daily, both sent by Celery beat. The jobs are idempotent (see `rollups`), so a job run
+few minutes, retention daily and the batch sweep (batch_lease.py) every half minute, all sent by Celery beat; and
+the Batch API's jobs, sent by the gateway. The jobs are idempotent (see `rollups`, `batch_jobs`), so a job run
 twice, or redelivered after a worker died mid-run, does no harm.
 
 Redis keys: Celery's Redis transport keeps its own keys (a list per queue, `_kombu.binding.*` sets, the
@@ -15,15 +16,21 @@ module-level app. Code starts a worker with `run_worker`."""
 
 from __future__ import annotations
 
+import asyncio
+import ctypes
 import functools
+import os
+import signal
+import sys
 from datetime import UTC, datetime, timedelta
 
-from celery import Celery
+from celery import Celery, signals
 from celery.schedules import crontab
 from kombu import Queue
 from sqlalchemy import Engine
 
 from services.accounting import db, rollups
+from services.redis_client import connect
 from services.settings import AccountingSettings
 
 # The queue names, here only. A worker consumes them in this order (kombu's "priority" strategy, not round
@@ -37,7 +44,9 @@ KEY_PREFIX = "tokenfleet-celery:"
 ROLLUP_RECENT = "tokenfleet.accounting.rollup_recent"
 APPLY_RETENTION = "tokenfleet.accounting.apply_retention"
 RUN_BATCH = "tokenfleet.accounting.run_batch"  # sent by the gateway, by name (gateway/batches.py)
+SWEEP_BATCHES = "tokenfleet.accounting.sweep_batches"
 RETENTION_AT = crontab(hour=3, minute=30)  # daily, at a quiet hour (UTC)
+PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process gets when its parent dies
 
 
 def broker_url(redis_url: str) -> str:
@@ -58,10 +67,11 @@ def celery_app(settings: AccountingSettings, redis_url: str, *, key_prefix: str 
         task_queues=[Queue(name) for name in QUEUES],
         task_default_queue=QUEUE_BATCH,
         task_routes={ROLLUP_RECENT: {"queue": QUEUE_ROLLUPS}, APPLY_RETENTION: {"queue": QUEUE_ROLLUPS},
-                     RUN_BATCH: {"queue": QUEUE_BATCH}},
+                     SWEEP_BATCHES: {"queue": QUEUE_ROLLUPS}, RUN_BATCH: {"queue": QUEUE_BATCH}},
         task_ignore_result=True,
         # Acknowledged when done, not when received: a job whose worker died is redelivered (after the
-        # transport's visibility timeout, 1 h), which idempotent jobs allow.
+        # transport's visibility timeout, 1 h), which idempotent jobs allow. A batch job that died is sent
+        # again sooner, by the batch sweep (batch_lease.py).
         task_acks_late=True,
         worker_prefetch_multiplier=1,
         timezone="UTC",
@@ -74,6 +84,8 @@ def celery_app(settings: AccountingSettings, redis_url: str, *, key_prefix: str 
                                # a rollup that waited longer than that is superseded by the next one
                                "options": {"expires": settings.rollup_interval_s}},
             "ledger-retention": {"task": APPLY_RETENTION, "schedule": RETENTION_AT},
+            "batch-sweep": {"task": SWEEP_BATCHES, "schedule": settings.batch_sweep_interval_s,
+                            "options": {"expires": settings.batch_sweep_interval_s}},
         },
     )
 
@@ -107,7 +119,24 @@ def celery_app(settings: AccountingSettings, redis_url: str, *, key_prefix: str 
         # Imported here: the job needs the gateway's request schemas, which the ledger's jobs do not.
         from services.accounting import batch_jobs
 
-        return batch_jobs.run_batch(redis_url, batch_id)
+        return batch_jobs.run_batch(redis_url, batch_id, lease_s=settings.batch_lease_s)
+
+    @app.task(name=SWEEP_BATCHES, shared=False)
+    def sweep_batches() -> list[str]:
+        """Sends a job again for each started batch whose job died; returns their ids."""
+        from services.accounting import batch_lease
+
+        def submit(batch_id: str) -> None:
+            app.send_task(RUN_BATCH, args=[batch_id], queue=QUEUE_BATCH)
+
+        async def main() -> list[str]:
+            redis = connect(redis_url)
+            try:
+                return await batch_lease.sweep(redis, submit, settings.batch_requeue_after_s)
+            finally:
+                await redis.aclose()
+
+        return asyncio.run(main())
 
     return app
 
@@ -128,4 +157,15 @@ def run_worker(settings: AccountingSettings, redis_url: str, *, beat: bool = Tru
     running job finish; returns the exit status. Blocks, and installs signal handlers: call it from the main
     thread of a process of its own (a `tokenfleet celery` command)."""
     app = celery_app(settings, redis_url, key_prefix=key_prefix)
+    worker_pid = os.getpid()
+
+    def end_with_the_worker(**_) -> None:
+        # The embedded beat is a child process, and outlived a worker killed with SIGKILL (or by the OOM killer):
+        # each restart of the worker left one more beat sending the schedule. The kernel ends it with its parent.
+        if sys.platform == "linux":
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+            if os.getppid() != worker_pid:  # the worker died before the line above
+                os._exit(0)
+
+    signals.beat_init.connect(end_with_the_worker, weak=False)
     return app.start(worker_argv(beat, loglevel)) or 0

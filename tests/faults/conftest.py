@@ -63,9 +63,10 @@ class FaultStack:
     database_url: str
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
 
-    def start(self, name: str, *args: str) -> subprocess.Popen:
-        """A service (`gateway`, `router`, `worker`, `accounting`) as `tokenfleet <args>` would run it."""
-        proc = subprocess.Popen([sys.executable, "-m", "services.cli", *args], env=self.env)
+    def start(self, name: str, *args: str, **env: str) -> subprocess.Popen:
+        """A service (`gateway`, `router`, `worker`, `accounting`, `celery`) as `tokenfleet <args>` would run it,
+        with `env` added to the stack's environment."""
+        proc = subprocess.Popen([sys.executable, "-m", "services.cli", *args], env={**self.env, **env})
         self.procs[name] = proc
         return proc
 

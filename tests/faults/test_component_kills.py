@@ -1,23 +1,30 @@
 """Each component SIGKILLed in turn under a steady load (router, one of two workers, accounting, one of two
 gateways), the dead one started again: every request a surviving gateway accepted completes exactly once with
 all its tokens, the ledger has one row per finished request with the tokens the client got, and every budget
-reservation is settled to the ledger's cost."""
+reservation is settled to the ledger's cost. And the Celery worker SIGKILLed in the middle of a Batch API job: another
+job finishes the batch within a minute, every line run once."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import openai
+import psutil
 
 from gateway.auth import authenticate, register_key
+from gateway.batches import line_request_id
 from gateway.budgets import budget_state, reservation_key
+from services import protocol as p
 from services.redis_client import connect
 from services.stack import wait_ready
 from tests.faults.conftest import StreamResult, stream_completion
-from tests.services.conftest import MODEL
+from tests.services.conftest import API_KEY, MODEL
 
 CLIENTS = 6
 MAX_TOKENS = 48
@@ -109,3 +116,52 @@ def test_killing_each_component_in_turn_loses_and_repeats_nothing(fault_stack):
             break
         assert time.monotonic() < deadline, "the budget's spending is not the ledger's cost"
         time.sleep(0.5)
+
+
+def _line_requests(r, request_ids: set[str]) -> Counter:
+    """How many times each of `request_ids` was put on the request stream."""
+    sent = Counter()
+    for _, fields in r.xrange(p.REQUESTS_STREAM):
+        request_id = json.loads(fields[p.FIELD]).get("request_id")
+        if request_id in request_ids:
+            sent[request_id] += 1
+    return sent
+
+
+def test_a_batch_whose_celery_worker_is_killed_mid_run_completes_with_every_line_run_once(fault_stack):
+    lease = {"TOKENFLEET_ACCOUNTING_BATCH_LEASE_S": "3", "TOKENFLEET_ACCOUNTING_BATCH_SWEEP_INTERVAL_S": "2"}
+    fault_stack.start("celery", "celery", **lease)
+    client = openai.OpenAI(base_url=fault_stack.url + "/v1", api_key=API_KEY, max_retries=0)
+    bodies = {f"line-{i}": {"model": MODEL, "messages": [{"role": "user", "content": f"Count to {i}."}],
+                            "max_tokens": 24, "temperature": 0, "ignore_eos": True} for i in range(32)}
+    lines = "".join(json.dumps({"custom_id": c, "method": "POST", "url": "/v1/chat/completions", "body": b}) + "\n"
+                    for c, b in bodies.items())
+    file = client.files.create(file=("batch.jsonl", lines.encode()), purpose="batch")
+    batch = client.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h")
+    r = fault_stack.redis.client()
+    deadline = time.monotonic() + 120
+    while r.hlen(p.batch_output_key(batch.id)) < 6:
+        assert time.monotonic() < deadline, "the batch job did not start"
+        time.sleep(0.1)
+    worker = fault_stack.procs["celery"]
+    beat = psutil.Process(worker.pid).children()  # Celery's embedded beat
+    worker.kill()  # mid-run: lines answered, lines in the stack, lines not yet sent
+    worker.wait()
+    _, alive = psutil.wait_procs(beat, timeout=10)
+    assert beat and not alive, "the killed worker's beat lives on (and the restarted worker starts another)"
+    answered_at_kill = r.hlen(p.batch_output_key(batch.id))
+    fault_stack.start("celery", "celery", **lease)  # as the supervisor restarts it
+
+    deadline = time.monotonic() + 180
+    while (batch := client.batches.retrieve(batch.id)).status != "completed":
+        assert time.monotonic() < deadline, f"the batch is {batch.status} after its worker was killed"
+        time.sleep(0.5)
+    assert answered_at_kill < len(bodies)
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (len(bodies), 0)
+    output = [json.loads(line) for line in client.files.content(batch.output_file_id).text.splitlines()]
+    assert [line["custom_id"] for line in output] == list(bodies)
+    assert all(line["response"]["body"]["usage"]["completion_tokens"] == 24 for line in output)
+    request_ids = {line_request_id(batch.id, custom_id) for custom_id in bodies}
+    assert _line_requests(r, request_ids) == Counter(dict.fromkeys(request_ids, 1))  # none submitted twice
+    ledger = fault_stack.ledger(request_ids, timeout_s=60)
+    assert len(ledger) == len(bodies) and all(row["status"] == "ok" for row in ledger.values())

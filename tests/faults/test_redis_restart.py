@@ -1,7 +1,9 @@
 """Redis killed (SIGKILL) under load and started again from its append-only file: new requests meanwhile get
 503 + Retry-After, every stream already accepted ends with all its tokens and [DONE] (or with an error event
 and [DONE]), its usage counts exactly what the client received, the ledger's status says which, and every
-service goes on serving without a restart."""
+service goes on serving without a restart. An outage longer than a gateway waits (TOKENFLEET_REDIS_OUTAGE_S) ends
+its streams with an error event and [DONE] while Redis is still down, and the requests are cancelled, and ledgered
+as such, once it is back."""
 
 from __future__ import annotations
 
@@ -11,8 +13,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 
 from services import protocol as p
+from services.stack import wait_ready
 from tests.faults.conftest import stream_completion
-from tests.services.conftest import API_KEY, MODEL
+from tests.services.conftest import API_KEY, MODEL, _free_port
 
 STREAMS = 10
 MAX_TOKENS = 160  # long enough that every stream is mid-generation when Redis dies
@@ -56,3 +59,29 @@ def test_redis_killed_under_load_every_stream_ends_whole_or_with_an_error_and_th
     after = httpx.post(fault_stack.url + "/v1/completions", timeout=60, headers={"Authorization": f"Bearer {API_KEY}"},
                        json={"model": MODEL, "prompt": "after the restart", "max_tokens": 4})
     assert after.status_code == 200, after.text  # gateway, router, worker and accounting reconnected by themselves
+
+
+def test_an_outage_longer_than_the_gateway_waits_ends_each_stream_with_an_error_and_cancels_it(fault_stack):
+    port = _free_port()
+    gateway = fault_stack.start("gateway-brief", "gateway", "--port", str(port), TOKENFLEET_REDIS_OUTAGE_S="1.5")
+    url = f"http://127.0.0.1:{port}"
+    assert wait_ready(url, {MODEL}, [gateway], 120)
+    r = fault_stack.redis.client()
+    earlier = set(r.scan_iter(p.reply_stream("*")))  # the other test's streams
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(stream_completion, url, f"Stream {i} through a long outage:", MAX_TOKENS)
+                   for i in range(4)]
+        deadline = time.monotonic() + 90
+        while sum(1 for key in set(r.scan_iter(p.reply_stream("*"))) - earlier if r.xlen(key) > 5) < 4:
+            assert time.monotonic() < deadline, "the streams did not get going"
+            time.sleep(0.1)
+        fault_stack.redis.kill()
+        outcomes = [f.result(timeout=60) for f in futures]  # while Redis is still down: none hangs
+        fault_stack.redis.start()
+
+    for outcome in outcomes:
+        assert outcome.status == 200 and outcome.done, outcome
+        assert outcome.error["code"] == "service_unavailable" and outcome.tokens < MAX_TOKENS, outcome
+    ledger = fault_stack.ledger({o.request_id for o in outcomes}, timeout_s=90)  # cancelled once Redis is back
+    assert {rid: row["status"] for rid, row in ledger.items()} == {o.request_id: "cancelled" for o in outcomes}
+    assert all(ledger[o.request_id]["completion_tokens"] >= o.tokens for o in outcomes)

@@ -12,7 +12,7 @@ import httpx
 
 from gateway.auth import authenticate, register_key
 from services import protocol as p
-from services import streams
+from services import replies, streams
 from services.redis_client import connect
 from services.settings import StreamSettings
 from tests.services.conftest import API_KEY, MODEL
@@ -32,17 +32,17 @@ def test_a_request_delivered_more_than_k_times_is_dead_lettered_and_its_client_g
             claimed = await streams.StaleClaimer(redis, stream, p.WORKER_GROUP, owner, settings).claim(10)
             served = await streams.dead_letter_exhausted(redis, p.WORKER_GROUP, claimed, settings)
         letters = [p.decode(p.DeadLetter, f) for _, f in await redis.xrange(p.DEAD_LETTER_STREAM)]
-        replies = [c async for c in streams.follow_replies(redis, request.request_id, 5)]
+        chunks = [c async for c in replies.follow_replies(redis, request.request_id, 5)]
         pending = (await redis.xpending(stream, p.WORKER_GROUP))["pending"]
         await redis.delete(stream)
         await redis.aclose()
-        return served, letters, replies, pending
+        return served, letters, chunks, pending
 
-    served, letters, replies, pending = asyncio.run(scenario())
+    served, letters, chunks, pending = asyncio.run(scenario())
     assert served == [] and pending == 0
     letter = next(x for x in letters if x.request_id == request.request_id)
     assert letter.deliveries == 3 and letter.request == request
-    assert replies[-1].kind == "error" and replies[-1].error.code == "dead_letter"
+    assert chunks[-1].kind == "error" and chunks[-1].error.code == "dead_letter"
 
 
 def test_a_request_entry_that_does_not_decode_is_dead_lettered_and_its_client_told_at_once(stack):
@@ -55,12 +55,12 @@ def test_a_request_entry_that_does_not_decode_is_dead_lettered_and_its_client_to
         redis = connect(stack.redis_url)
         try:
             await redis.xadd(p.REQUESTS_STREAM, {p.FIELD: json.dumps(entry)})
-            return [c async for c in streams.follow_replies(redis, request_id, 10)]
+            return [c async for c in replies.follow_replies(redis, request_id, 10)]
         finally:
             await redis.aclose()
 
-    replies = asyncio.run(scenario())
-    assert replies[-1].kind == "error" and replies[-1].error.code == "dead_letter"
+    chunks = asyncio.run(scenario())
+    assert chunks[-1].kind == "error" and chunks[-1].error.code == "dead_letter"
     letters = [p.decode(p.DeadLetter, f) for _, f in stack.redis().xrange(p.DEAD_LETTER_STREAM)]
     assert any(letter.request_id == request_id and letter.request is None for letter in letters)
 
@@ -272,7 +272,7 @@ def test_after_a_failed_reply_write_a_request_publishes_nothing_until_it_resumes
 
     async def scenario() -> tuple[bool, list[int]]:
         live, rid = connect(redis_url), uuid.uuid4().hex
-        publisher = streams.ReplyPublisher(connect("redis://127.0.0.1:1/0"), StreamSettings())  # nothing listens
+        publisher = replies.ReplyPublisher(connect("redis://127.0.0.1:1/0"), StreamSettings())  # nothing listens
 
         def delta(position: int) -> p.ReplyChunk:
             return p.ReplyChunk(kind="delta", index=0, position=position, token_ids=[position])
@@ -287,7 +287,7 @@ def test_after_a_failed_reply_write_a_request_publishes_nothing_until_it_resumes
             refused = True
         publisher.reset(rid)  # resumed from what the stream holds: nothing, so from position 0
         await publisher.publish(rid, [delta(0)])
-        positions = [chunk.position for _, chunk in await streams.reply_history(live, rid)]
+        positions = [chunk.position for _, chunk in await replies.reply_history(live, rid)]
         await live.delete(p.reply_stream(rid))
         await live.aclose()
         return refused, positions

@@ -10,8 +10,11 @@ import uuid
 import pytest
 
 from cache.response_cache import CacheLookup, ResponseCache
+from gpu_worker.engine.checkpoint import resolve_model_path
+from router import service as router_service
 from router.cache_replay import answer_from_cache
 from router.policy import TierPolicy, TierRule
+from router.prompt_encoder import PromptEncoder
 from router.service import Router
 from router.worker_choice import WorkerChooser
 from services import protocol as p
@@ -25,6 +28,13 @@ def fresh_redis_url():
     embedded = EmbeddedRedis()
     yield embedded.url
     embedded.close()
+
+
+async def _until(condition, timeout_s: float) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.05)
 
 
 def _request(prompt: str) -> p.GenerateRequest:
@@ -120,3 +130,40 @@ def test_a_cache_hit_is_answered_once_even_if_two_routers_hold_the_request(fresh
     assert answered == [True, False] and events == 1
     assert [c.kind for c in replies] == ["started", "delta", "finished"] and replies[1].text == "hi!"
     assert replies[0].cache == replies[2].cache == "exact"
+
+
+class _RecordingEncoder(PromptEncoder):
+    def __init__(self):
+        super().__init__()
+        self.warmed: list[str] = []
+
+    def warm(self, model_dir: str) -> bool:
+        self.warmed.append(model_dir)
+        return super().warm(model_dir)
+
+
+def test_the_router_loads_tokenizers_before_any_request_needs_them(fresh_redis_url, make_checkpoint, monkeypatch):
+    monkeypatch.setattr(router_service, "TOKENIZER_POLL_S", 0.1)
+    builtin = str(resolve_model_path("smollm2-135m-instruct"))
+    registered = str(make_checkpoint("llama"))
+
+    async def scenario():
+        redis = connect(fresh_redis_url)
+        encoder = _RecordingEncoder()
+        router = Router(redis, TierPolicy(TierRule("smollm2-135m-instruct", "large", 10, 10)), WorkerChooser(64, 64),
+                        ResponseCache(redis, CacheSettings()), "router-a", StreamSettings(), encoder=encoder)
+        stop = asyncio.Event()
+        running = asyncio.create_task(router.run(stop))
+        await _until(lambda: builtin in encoder.warmed, 60)  # a tier's built-in model: at start-up
+        info = p.ModelInfo(name="large", model_dir=registered, max_model_len=128, kv_block_size=16)
+        await redis.hset(p.MODELS_KEY, "large", info.model_dump_json())
+        await _until(lambda: registered in encoder.warmed, 60)  # any other: once a worker registers it
+        await asyncio.sleep(0.5)
+        stop.set()
+        await running
+        await redis.aclose()
+        return encoder
+
+    encoder = asyncio.run(scenario())
+    assert encoder.warmed == [builtin, registered]  # each once
+    assert encoder.prompt_ids(_request("hello"), registered)  # loaded, so encoding needs no load
