@@ -48,7 +48,7 @@ class RequestResult:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
     p.add_argument("--api-key", default=os.environ.get("TOKENFLEET_API_KEY") or os.environ.get("OPENAI_API_KEY"))
-    p.add_argument("--model", default="tokenfleet-small")
+    p.add_argument("--model", default="auto", help="a served model, or auto (the router's choice)")
     p.add_argument("--endpoint", default="chat", choices=["chat", "completions"])
     p.add_argument("--num-prompts", type=int, default=200)
     p.add_argument("--request-rate", type=float, default=math.inf,
@@ -173,7 +173,9 @@ def summarize(results: list[RequestResult], duration_s: float, slos: dict[str, f
 
 def format_table(s: dict) -> str:
     fmt = lambda v, spec=".2f": "-" if v is None else format(v, spec)
+    config = s.get("config", {})
     scalars = [
+        ("model", f"{config.get('model')} ({config.get('endpoint')}, {config.get('base_url')})"),
         ("completed / failed", f"{s['completed']} / {s['failed']}"),
         ("duration (s)", fmt(s["duration_s"])),
         ("request throughput (req/s)", fmt(s["request_throughput"])),
@@ -258,13 +260,19 @@ async def send_one(client, url: str, body: dict, api_key: str | None = None) -> 
     return r
 
 
+def api_base(base_url: str) -> str:
+    """The OpenAI base URL, given with its `/v1` (as the openai client takes it) or without (the server's)."""
+    base = base_url.rstrip("/")
+    return base if base.endswith("/v1") else base + "/v1"
+
+
 async def run(args: argparse.Namespace) -> dict:
     import httpx
 
     slos = parse_slo(args.slo) if isinstance(args.slo, str) else dict(args.slo or {})
     prompts = _prompts(args, args.num_prompts)
     arrivals = poisson_arrivals(args.num_prompts, args.request_rate, args.seed)
-    url = args.base_url.rstrip("/") + ("/chat/completions" if args.endpoint == "chat" else "/completions")
+    url = api_base(args.base_url) + ("/chat/completions" if args.endpoint == "chat" else "/completions")
     gate = asyncio.Semaphore(args.max_concurrency or len(prompts) or 1)
     limits = httpx.Limits(max_connections=args.max_concurrency or len(prompts) or 1, max_keepalive_connections=None)
 
@@ -293,5 +301,7 @@ async def run(args: argparse.Namespace) -> dict:
 
 
 def run_from_args(args: argparse.Namespace) -> int:
+    """Non-zero when no request completed: a wrong URL, key or model must not pass for a result."""
     summary = asyncio.run(run(args))
-    return publish(summary, format_table(summary), args.json_path)
+    publish(summary, format_table(summary), args.json_path)
+    return 0 if summary["completed"] else 1

@@ -36,6 +36,12 @@ async def alive_workers(redis: aioredis.Redis, model: str) -> int:
     return await redis.zcount(p.workers_key(model), time.time(), "+inf")
 
 
+async def in_flight(redis: aioredis.Redis, model: str, request_timeout_s: float) -> int:
+    """Requests admitted for the model and not yet finished (what a crashed gateway left, once timed out, not
+    counted); `auto` requests count against each tier's model, as admission counts them."""
+    return await redis.zcount(inflight_key(model), time.time() - request_timeout_s, "+inf")
+
+
 # Every candidate's in-flight set pruned of what a crashed gateway left, counted, and the request added to them
 # all, or to none when one is full: one step, so parallel admissions (and several gateways) cannot overfill a
 # queue. Returns 0, or 1 + the index of the full set followed by its depth.

@@ -10,7 +10,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 
 import redis.asyncio as aioredis
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from opentelemetry.trace import SpanKind
@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match, Route
 
 from gateway import openapi
-from gateway.admission import REFUSALS, Admission, alive_workers, served_models
+from gateway.admission import REFUSALS, Admission, alive_workers, in_flight, served_models
 from gateway.auth import ApiKey, authenticate, register_key
 from gateway.batches import MAX_FILE_BYTES, Batches
 from gateway.budgets import Budgets, Estimator
@@ -195,6 +195,15 @@ class Gateway:
         return JSONResponse({"status": "ready" if ready else "unready", "redis": "ok", "workers": workers},
                             status_code=200 if ready else 503)
 
+    async def load(self, model: str = Query(..., max_length=256)) -> dict:
+        """What an autoscaler reads (KEDA's metrics-api scaler in infra/k8s): a served model's requests in flight
+        and its live workers."""
+        if model not in await served_models(self.redis):
+            raise RequestError(p.ErrorBody(message=f"The model '{model}' does not exist", param="model",
+                                           code="model_not_found", status=404))
+        return {"model": model, "in_flight": await in_flight(self.redis, model, self.settings.request_timeout_s),
+                "workers": await alive_workers(self.redis, model)}
+
     async def redis_error(self, request: Request, exc: aioredis.RedisError) -> JSONResponse:
         return _error_response(redis_unavailable(exc), {"Retry-After": str(self.settings.retry_after_s)})
 
@@ -256,6 +265,7 @@ def create_app(redis: aioredis.Redis, settings: GatewaySettings, tiers: RouterSe
               ("POST", "/v1/batches/{batch_id}/cancel", batches.cancel_batch),
               ("GET", "/healthz", gateway.healthz),
               ("GET", "/readyz", gateway.readyz),
+              ("GET", "/load", gateway.load),
               ("GET", "/metrics", gateway.prometheus)]
     for method, path, handler in routes:  # each documented as it behaves: gateway/openapi.py
         app.add_api_route(path, handler, methods=[method], **openapi.operation(method, path))

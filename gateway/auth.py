@@ -13,9 +13,11 @@ from typing import Literal, get_args
 import redis.asyncio as aioredis
 
 from services import protocol as p
+from services.redis_client import as_text
 
 KEY_PREFIX = "tf-"
 MAX_NAME = 128
+KEY_ID_LENGTH = 12  # hex digits of a key's hash that name it in `keys list` / `keys revoke`
 BudgetPeriod = Literal["day", "month", "total"]  # day and month are UTC calendar periods
 
 
@@ -73,6 +75,30 @@ async def register_key(redis: aioredis.Redis, name: str, key: str | None = None,
         | ({"sla_class": sla_class} if sla_class else {}) | ({"prefix_group": prefix_group} if prefix_group else {})
     await redis.hset(p.API_KEYS_KEY, hash_key(key), json.dumps(record))
     return key
+
+
+async def list_keys(redis: aioredis.Redis) -> list[tuple[str, dict]]:
+    """(id, stored record) of every key, oldest first. The id is the start of the key's hash: the key itself
+    is never stored, so it cannot be shown again."""
+    records = await redis.hgetall(p.API_KEYS_KEY)
+    listed = [(as_text(digest)[:KEY_ID_LENGTH], json.loads(record)) for digest, record in records.items()]
+    return sorted(listed, key=lambda item: (item[1].get("created", 0), item[0]))
+
+
+async def revoke_key(redis: aioredis.Redis, key_or_id: str) -> str:
+    """Deletes a key, given whole or by its id from `list_keys` (at least 8 of its hex digits); returns its name.
+    Requests with it are refused (401) from then on. ValueError when no key, or more than one, matches."""
+    if key_or_id.startswith(KEY_PREFIX):
+        digests = [hash_key(key_or_id)] if await redis.hexists(p.API_KEYS_KEY, hash_key(key_or_id)) else []
+    elif len(key_or_id) >= 8:
+        digests = [d for d in map(as_text, await redis.hkeys(p.API_KEYS_KEY)) if d.startswith(key_or_id.lower())]
+    else:
+        raise ValueError("give the key itself, or at least 8 hex digits of its id (`tokenfleet keys list`)")
+    if len(digests) != 1:
+        raise ValueError(f"{len(digests) or 'no'} keys match {key_or_id!r}")
+    record = await redis.hget(p.API_KEYS_KEY, digests[0])
+    await redis.hdel(p.API_KEYS_KEY, digests[0])
+    return json.loads(record)["name"] if record else "?"
 
 
 async def authenticate(redis: aioredis.Redis, authorization: str | None) -> ApiKey | None:

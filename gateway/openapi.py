@@ -91,6 +91,8 @@ COMPONENTS: dict[str, dict] = {
                             {"type": "object", "additionalProperties": _ref("JsonValue")}]},
     "Health": _object(["status"], status={"type": "string"}, redis={"type": "string"},
                       workers={"type": "object", "additionalProperties": {"type": "integer"}}),
+    "Load": _object(["model", "in_flight", "workers"], model={"type": "string"}, in_flight={"type": "integer"},
+                    workers={"type": "integer"}),
 }
 
 SECURITY_SCHEMES = {"bearer": {"type": "http", "scheme": "bearer", "description": "an API key"}}
@@ -187,6 +189,8 @@ _OPERATIONS = {
     ("GET", "/healthz"): _operation("Liveness", _json(_ref("Health")), secured=False),
     ("GET", "/readyz"): _operation("Ready when Redis answers and every served model has a live worker",
                                    _json(_ref("Health")), secured=False),
+    ("GET", "/load"): _operation("A served model's requests in flight and live workers, for autoscalers",
+                                 _json(_ref("Load")), (400, 404, 503), secured=False),
     ("GET", "/metrics"): _operation("Prometheus metrics", _STRING, secured=False, response_class=PlainTextResponse),
 }
 # Not ready is a probe's answer, not an OpenAI error: the same object as 200.

@@ -69,11 +69,14 @@ BENCHMARKS = {
 
 
 def _redis_url() -> str:
+    """REDIS_URL, else the Redis of the `tokenfleet up` running from this cache directory."""
     from services.settings import RedisSettings
+    from services.stack import running_stack
 
-    url = RedisSettings().redis_url
+    url = RedisSettings().redis_url or (running_stack() or {}).get("redis_url")
     if not url:
-        raise SystemExit("REDIS_URL is not set: start a Redis (or use `tokenfleet up`, which embeds one)")
+        raise SystemExit("REDIS_URL is not set and no `tokenfleet up` is running here: set REDIS_URL to the "
+                         "stack's Redis, or start `tokenfleet up`")
     return url
 
 
@@ -134,34 +137,74 @@ def _worker(args: argparse.Namespace) -> int:
 
 
 def _up(args: argparse.Namespace) -> int:
+    from services.settings import GatewaySettings
     from services.stack import default_workers, up
 
-    return up(args.host, args.port, default_workers())
+    gateway = GatewaySettings()
+    return up(args.host or gateway.host, args.port or gateway.port, default_workers(), console_logs=args.logs)
 
 
 def _keys_create(args: argparse.Namespace) -> int:
     import asyncio
 
     from gateway.auth import register_key
+
+    def create(redis):
+        return register_key(redis, args.name, cache_mode=args.cache, rpm=args.rpm, tpm=args.tpm,
+                            budget_usd=args.budget_usd, budget_period=args.budget_period, admin=args.admin,
+                            sla_class=args.sla, prefix_group=args.prefix_group)
+
+    print(asyncio.run(_with_redis(create)))
+    return 0
+
+
+def _keys_list(args: argparse.Namespace) -> int:
+    import asyncio
+    import time
+
+    from gateway.auth import list_keys
+
+    keys = asyncio.run(_with_redis(list_keys))
+    print(f"{'id':12}  {'name':24}  {'created (UTC)':19}  limits")
+    for key_id, record in keys:
+        limits = ", ".join(f"{name} {record[name]}" for name in ("rpm", "tpm", "budget_usd", "budget_period",
+                                                                 "sla_class", "prefix_group", "cache")
+                           if record.get(name) is not None) + (", admin" if record.get("admin") else "")
+        created = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(record.get("created", 0)))
+        print(f"{key_id:12}  {record['name']:24}  {created:19}  {limits.strip(', ') or 'none'}")
+    return 0
+
+
+def _keys_revoke(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from gateway.auth import revoke_key
+
+    try:
+        name = asyncio.run(_with_redis(lambda redis: revoke_key(redis, args.key)))
+    except ValueError as exc:
+        raise SystemExit(f"tokenfleet keys revoke: {exc}") from None
+    print(f"revoked a key of {name}")
+    return 0
+
+
+async def _with_redis(work):
     from services.redis_client import connect
 
-    async def create() -> str:
-        redis = connect(_redis_url())
-        try:
-            return await register_key(redis, args.name, cache_mode=args.cache, rpm=args.rpm, tpm=args.tpm,
-                                      budget_usd=args.budget_usd, budget_period=args.budget_period,
-                                      admin=args.admin, sla_class=args.sla, prefix_group=args.prefix_group)
-        finally:
-            await redis.aclose()
-
-    print(asyncio.run(create()))
-    return 0
+    redis = connect(_redis_url())
+    try:
+        return await work(redis)
+    finally:
+        await redis.aclose()
 
 
 def _add_service_commands(sub) -> None:
     up = sub.add_parser("up", help="the whole stack as local processes (embedded Redis unless REDIS_URL is set)")
-    up.add_argument("--host", default="127.0.0.1")
-    up.add_argument("--port", type=int, default=8000)
+    up.add_argument("--host", default=None, help="the gateway's (default: TOKENFLEET_GATEWAY_HOST, 127.0.0.1)")
+    up.add_argument("--port", type=int, default=None, help="the gateway's (default: TOKENFLEET_GATEWAY_PORT, 8000); "
+                    "the finance API takes the next one unless TOKENFLEET_ACCOUNTING_PORT is set")
+    up.add_argument("--logs", action="store_true",
+                    help="every service's output on this console, instead of a file each in the cache directory")
     up.set_defaults(func=_up)
 
     gateway = sub.add_parser("gateway", help="the OpenAI-compatible HTTP gateway")
@@ -228,6 +271,21 @@ def _add_service_commands(sub) -> None:
     create.add_argument("--admin", action="store_true",
                         help="the finance API shows this key every tenant's ledger (others: their own)")
     create.set_defaults(func=_keys_create)
+    keys_sub.add_parser("list", help="every key's id, name, creation time and limits (keys are stored hashed: "
+                                     "never shown again)").set_defaults(func=_keys_list)
+    revoke = keys_sub.add_parser("revoke", help="delete a key: its requests are refused from then on")
+    revoke.add_argument("key", help="the key itself, or its id from `tokenfleet keys list`")
+    revoke.set_defaults(func=_keys_revoke)
+
+
+class _WithDefaults(argparse.HelpFormatter):
+    """`--help` shows each option's default after its help."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default not in (None, False, argparse.SUPPRESS) and "%(default)" not in text:
+            text += " (default: %(default)s)"
+        return text
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -254,8 +312,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks against peers")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     for name, (module, text) in BENCHMARKS.items():
-        command = bench_sub.add_parser(name, help=text)
+        command = bench_sub.add_parser(name, help=text, description=text, formatter_class=_WithDefaults)
         importlib.import_module(module).add_arguments(command)
+        for action in command._actions:  # an option with no help text would not show its default
+            if action.help is None and action.default not in (None, False, argparse.SUPPRESS):
+                action.help = "(default: %(default)s)"
         command.set_defaults(func=_from_module(module))
     _add_service_commands(sub)
     return parser

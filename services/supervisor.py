@@ -9,6 +9,7 @@ import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 
 
 @dataclass
@@ -16,6 +17,7 @@ class Service:
     name: str
     command: list[str]
     env: dict[str, str]
+    log: Path | None = None  # its output goes here (appended), else to the console
     proc: subprocess.Popen | None = None
     exits: deque[float] = field(default_factory=deque)  # when it exited, within the crash-loop window
     restart_at: float | None = None  # set while it waits out its backoff
@@ -58,12 +60,14 @@ class Supervisor:
                 service.exits.popleft()
             service.exits.append(now)
             if len(service.exits) >= self.policy.crash_loop_exits:
+                where = f"; its log: {service.log}" if service.log is not None else ""
                 self._say(f"{service.name} exited {len(service.exits)} times within {self.policy.window_s:.0f} s "
-                          f"(last exit code {code}); stopping the stack")
+                          f"(last exit code {code}); stopping the stack{where}")
                 return False
             delay = min(self.policy.max_backoff_s, self.policy.backoff_s * 2 ** (len(service.exits) - 1))
             service.restart_at = now + delay
-            self._say(f"{service.name} exited with code {code}; restarting it in {delay:.3g} s")
+            where = f" (its log: {service.log})" if service.log is not None else ""
+            self._say(f"{service.name} exited with code {code}; restarting it in {delay:.3g} s{where}")
         return True
 
     def stop(self, timeout_s: float = 40.0) -> None:
@@ -79,7 +83,15 @@ class Supervisor:
                 proc.kill()
 
     def _spawn(self, service: Service) -> None:
-        service.proc = subprocess.Popen(service.command, env=service.env)
+        if service.log is None:
+            service.proc = subprocess.Popen(service.command, env=service.env)
+        else:
+            service.log.parent.mkdir(parents=True, exist_ok=True)
+            with service.log.open("a") as log:
+                log.write(f"---- tokenfleet: {service.name} starting at {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+                log.flush()
+                service.proc = subprocess.Popen(service.command, env=service.env, stdout=log,
+                                                stderr=subprocess.STDOUT)
         service.restart_at = None
 
     def _say(self, line: str) -> None:

@@ -1,11 +1,16 @@
-"""Shared fixtures: small real HF checkpoints written with `transformers.save_pretrained`."""
+"""Shared fixtures: small real HF checkpoints written with `transformers.save_pretrained`, a real Redis and
+databases; and a check that the suite leaves no server running."""
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+import time
 import zlib
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -124,3 +129,36 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new: list[int], dty
                                  min_new_tokens=n, pad_token_id=0)
             outs.append(gen[0, len(prompt):].tolist())
     return outs
+
+
+def _leftovers(run_dir: str) -> list[str]:
+    """Servers this run started that still run: an embedded Redis or a tokenfleet service (a Celery beat
+    included) that a test, a fixture or the code under test failed to stop. Every one of them has this run's
+    temporary directory: a Redis in its socket's path, a service in its TMPDIR."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = " ".join(proc.info["cmdline"] or [])
+        try:
+            if ("redis-server" in cmdline and run_dir in cmdline) or (
+                    "services.cli" in cmdline and proc.environ().get("TMPDIR") == run_dir):
+                found.append(f"pid {proc.pid}: {cmdline[:160]}")
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return found
+
+
+def pytest_sessionstart(session):
+    run_dir = tempfile.mkdtemp(prefix="tokenfleet-test-run-")
+    os.environ["TMPDIR"] = tempfile.tempdir = run_dir  # this process's temporary files and its children's
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Fails the run if it leaves a server running (CI runs on machines that are not wiped between runs)."""
+    run_dir = tempfile.gettempdir()
+    deadline = time.monotonic() + 15  # a process told to stop may still be exiting
+    while (left := _leftovers(run_dir)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    if left:
+        print("\nprocesses this run left running:\n  " + "\n  ".join(left))
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    shutil.rmtree(run_dir, ignore_errors=True)

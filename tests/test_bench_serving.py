@@ -41,7 +41,7 @@ async def sse_server(events, status: int = 200, done: bool = True):
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         head = (await reader.readuntil(b"\r\n\r\n")).decode()
         headers = dict(line.split(": ", 1) for line in head.split("\r\n")[1:] if ": " in line)
-        headers = {k.lower(): v for k, v in headers.items()}
+        headers = {k.lower(): v for k, v in headers.items()} | {":path": head.split(" ")[1]}
         received.append((headers, json.loads(await reader.readexactly(int(headers["content-length"])))))
         if status != 200:
             body = json.dumps({"error": {"message": "overloaded", "type": "server_error"}}).encode()
@@ -65,13 +65,13 @@ async def sse_server(events, status: int = 200, done: bool = True):
 
 
 @contextmanager
-def sse_server_in_thread(events):
+def sse_server_in_thread(events, status: int = 200):
     """sse_server on its own event loop in a thread, for code that runs asyncio.run itself."""
     loop, ready, box = asyncio.new_event_loop(), threading.Event(), {}
 
     async def serve():
         box["stop"] = asyncio.Event()
-        async with sse_server(events) as (base, received):
+        async with sse_server(events, status) as (base, received):
             box.update(base=base, received=received)
             ready.set()
             await box["stop"].wait()
@@ -201,6 +201,26 @@ def test_run_from_args_prints_a_table_and_writes_the_same_figures_as_json(tmp_pa
     table = capsys.readouterr().out
     for row in ("request throughput", "goodput", "stack overhead", "| TTFT |", "| TPOT |", "| ITL |", "| E2E |"):
         assert row in table
+
+
+def _run_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    serving.add_arguments(parser)
+    return parser.parse_args(["--num-prompts", "2", "--warmup", "0", *argv])
+
+
+def test_the_base_url_may_be_given_with_or_without_v1_and_the_table_names_the_model(capsys):
+    with sse_server_in_thread(STREAM) as (base, received):
+        server = base.removesuffix("/v1")
+        for given in (server, server + "/", base, base + "/"):
+            assert serving.run_from_args(_run_args("--base-url", given, "--model", "my-model")) == 0
+    assert {headers[":path"] for headers, _ in received} == {"/v1/chat/completions"}
+    assert "| model | my-model (chat, " in capsys.readouterr().out
+
+
+def test_a_run_in_which_no_request_completed_fails():
+    with sse_server_in_thread(STREAM, status=404) as (base, _):
+        assert serving.run_from_args(_run_args("--base-url", base)) == 1
 
 
 def test_prompts_from_a_file_come_in_turn_from_the_named_list_and_bad_files_are_refused(tmp_path):

@@ -149,6 +149,7 @@ def create_finance_app(engine: Engine, redis: aioredis.Redis, metrics: Collector
     app.add_exception_handler(RequestError, _request_error)
     app.add_exception_handler(RequestValidationError, _invalid_query)
     app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_api_route("/healthz", lambda: {"status": "ok"}, methods=["GET"])  # liveness (infra/k8s)
     app.add_api_route("/v1/ledger", ledger, methods=["GET"])
     app.add_api_route("/v1/reports/cost", cost_report, methods=["GET"])
     app.add_api_route("/v1/reports/goodput", goodput_report, methods=["GET"])

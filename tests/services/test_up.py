@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 
@@ -43,19 +44,32 @@ def up_process(cache_dir):
         proc.kill()
 
 
-def _printed_key(proc) -> str:
-    """The API key `tokenfleet up` prints once the stack is ready."""
+def _printed_key(proc, console: list[str] | None = None) -> str:
+    """The API key `tokenfleet up` prints once the stack is ready (what it printed before, into `console`)."""
     for line in proc.stdout:
-        if match := re.search(r"API key: (\S+)", line):
+        if match := re.search(r"API key: +(\S+)", line):
             return match.group(1)
+        if console is not None:
+            console.append(line)
     raise AssertionError("tokenfleet up printed no key")
 
 
 @pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_up_serves_the_trained_default_model_on_embedded_redis_and_stops_everything_cleanly(up_process, stop):
     proc, port, cache = up_process
-    key = _printed_key(proc)
+    console = []
+    key = _printed_key(proc, console)
     assert (cache / "dev-key").read_text().strip() == key  # where the README's examples read it
+    # its own lines while it starts (what starts, then what it waits for), then the banner; each service's
+    # output in its own file
+    said = [line for line in console if line.strip()]
+    starting = said[:said.index("tokenfleet is up\n")]
+    assert starting and all(line.startswith("tokenfleet: ") for line in starting), said
+    assert "Celery" in said[0] and str(cache / "logs") in said[0]
+    logs = {path.name: path.read_text() for path in (cache / "logs").iterdir()}
+    assert {"gateway.log", "router.log", "accounting.log", "celery.log"} <= set(logs)
+    assert logs["gateway.log"].startswith("---- tokenfleet: gateway starting at ")
+    assert "tokenfleet-accounting" in logs["celery.log"]  # Celery's banner, off the console
     children = psutil.Process(proc.pid).children(recursive=True)
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key)
     models = {m.id: m for m in client.models.list()}
@@ -74,7 +88,7 @@ def test_up_serves_the_trained_default_model_on_embedded_redis_and_stops_everyth
 
 
 def test_up_restarts_a_killed_service_and_keeps_serving(up_process):
-    proc, port, _ = up_process
+    proc, port, cache = up_process
     key = _printed_key(proc)
     [router] = [c for c in psutil.Process(proc.pid).children(recursive=True) if c.cmdline()[-1:] == ["router"]]
     router.kill()
@@ -84,10 +98,34 @@ def test_up_restarts_a_killed_service_and_keeps_serving(up_process):
             said.append(line.strip())
         if line.startswith("tokenfleet: router restarted"):
             break
-    assert said[0] == "tokenfleet: router exited with code -9; restarting it in 1 s", said
+    assert said[0].startswith("tokenfleet: router exited with code -9; restarting it in 1 s (its log: "), said
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, timeout=120)
     reply = client.chat.completions.create(model="auto", temperature=0, max_tokens=8,
                                            messages=[{"role": "user", "content": "What is the capital of France?"}])
     assert reply.choices[0].message.content  # routed by the new router
+
+    # `tokenfleet keys` finds the running stack's embedded Redis by itself
+    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "TOKENFLEET_REDIS_URL")}
+    created = subprocess.run([sys.executable, "-m", "services.cli", "keys", "create", "up-tenant"], text=True,
+                             capture_output=True, timeout=60, env={**env, "TOKENFLEET_CACHE_DIR": str(cache)})
+    assert created.returncode == 0, created.stderr
+    tenant = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=created.stdout.strip(), timeout=120)
+    assert tenant.models.list().data
     proc.send_signal(signal.SIGINT)
     assert proc.wait(60) == 0
+    assert not (cache / "stack.json").exists()
+
+
+@pytest.mark.parametrize("taken", ["TOKENFLEET_GATEWAY_PORT", "TOKENFLEET_ACCOUNTING_PORT"])
+def test_up_refuses_a_port_in_use_naming_it_and_the_setting_that_moves_it(cache_dir, taken):
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        busy = holder.getsockname()[1]
+        ports = {"TOKENFLEET_GATEWAY_PORT": str(_free_port()), "TOKENFLEET_ACCOUNTING_PORT": str(_free_port()),
+                 taken: str(busy)}  # the settings reach `tokenfleet up`, with no --port
+        env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "TOKENFLEET_REDIS_URL")}
+        proc = subprocess.run([sys.executable, "-m", "services.cli", "up"], capture_output=True, text=True,
+                              timeout=120, env={**env, "TOKENFLEET_CACHE_DIR": str(cache_dir), **ports})
+    assert proc.returncode == 1 and "tokenfleet is up" not in proc.stdout
+    assert f"port {busy} on 127.0.0.1" in proc.stderr and taken in proc.stderr, proc.stderr
