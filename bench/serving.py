@@ -166,6 +166,7 @@ def summarize(results: list[RequestResult], duration_s: float, slos: dict[str, f
         "itl_ms": percentiles(ms(gap for r in done for gap in r.itl_s)),
         "e2e_ms": percentiles(ms(r.e2e_s for r in done)),
         "overhead_ms": percentiles(ms(overheads), ps=(50, 99)),
+        "route_ms": percentiles(ms(r.server.get("route_s") for r in done if r.server), ps=(50, 99)),
         "tokenfleet_field_share": sum(r.server is not None for r in done) / len(done) if done else 0.0,
         "errors": errors,
     }
@@ -184,6 +185,7 @@ def format_table(s: dict) -> str:
         ("total output tokens", str(s["total_output_tokens"])),
         ("goodput (req/s)" + "".join(f", {k}<={v:g}" for k, v in s["slos"].items()), fmt(s["goodput"])),
         ("stack overhead p50 / p99 (ms)", f"{fmt(s['overhead_ms']['p50'])} / {fmt(s['overhead_ms']['p99'])}"),
+        ("router: enqueued to routed p50 / p99 (ms)", f"{fmt(s['route_ms']['p50'])} / {fmt(s['route_ms']['p99'])}"),
         ("requests with tokenfleet timing", fmt(s["tokenfleet_field_share"], ".0%")),
     ]
     lines = ["| metric | value |", "|---|---:|", *(f"| {k} | {v} |" for k, v in scalars), ""]

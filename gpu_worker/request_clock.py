@@ -14,8 +14,8 @@ from services import telemetry
 class RequestClock:
     """Wall-clock times of one request, from its enqueueing at the gateway (seconds since the epoch)."""
 
-    def __init__(self, enqueued_at: float, first_token_at: float | None):
-        self.enqueued_at = enqueued_at
+    def __init__(self, enqueued_at: float, first_token_at: float | None, routed_at: float | None = None):
+        self.enqueued_at, self.routed_at = enqueued_at, routed_at
         self.admitted_at = time.time()
         self.first_token_at = first_token_at
 
@@ -40,4 +40,5 @@ class RequestClock:
         first = self.first_token_at or now
         tpot = (now - first) / (completion_tokens - 1) if completion_tokens > 1 else 0.0
         return p.Timing(queue_s=self.admitted_at - self.enqueued_at, ttft_s=first - self.enqueued_at, tpot_s=tpot,
-                        e2e_s=now - self.enqueued_at, engine_s=now - self.admitted_at, engine_step_s=engine_step_s)
+                        e2e_s=now - self.enqueued_at, engine_s=now - self.admitted_at, engine_step_s=engine_step_s,
+                        route_s=None if self.routed_at is None else self.routed_at - self.enqueued_at)

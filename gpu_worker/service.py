@@ -209,7 +209,8 @@ class Worker:
                                    prompt_tokens=len(ids), cache=_cache_result(request),
                                    traceparent=request.traceparent)
             self.replies.publish_nowait(rid, [started])  # ordered before the deltas; no need to wait for it
-        clock = RequestClock(request.enqueued_at, history.first_delta_at)
+        clock = RequestClock(request.enqueued_at, history.first_delta_at,
+                             request.routing.decided_at if request.routing else None)
         positions = {i: len(c.token_ids) for i, c in history.choices.items()}
         finish_reasons = {i: c.finish_reason for i, c in history.choices.items()}
         resume = history.resume(params.n)

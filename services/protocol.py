@@ -239,6 +239,7 @@ class Timing(BaseModel):
     e2e_s: float  # enqueued -> finished
     engine_s: float  # admitted by the engine -> finished (the engine's own time for the request)
     engine_step_s: float  # the request's share of measured engine step time
+    route_s: float | None = None  # enqueued -> routed (the router's queue and decision); None: not routed
 
     @classmethod
     def unserved(cls, enqueued_at: float) -> Timing:

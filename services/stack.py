@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,8 @@ def waiting_for(url: str, models: set[str]) -> list[str]:
     try:
         with urllib.request.urlopen(url + "/readyz", timeout=2) as response:
             workers = json.loads(response.read())["workers"]
+    except urllib.error.HTTPError as unready:  # a 503 names what is missing
+        workers = json.loads(unready.read() or "{}").get("workers", {})
     except OSError:
         return ["the gateway"]
     return [f"a worker of {m}" for m in sorted(models) if not workers.get(m)]

@@ -16,7 +16,7 @@ from bench import serving
 from bench.serving import RequestResult, parse_slo, poisson_arrivals, send_one, summarize
 
 TIMING = {"queue_s": 0.01, "ttft_s": 0.1, "tpot_s": 0.05, "e2e_s": 0.25, "engine_s": 0.24, "engine_step_s": 0.2,
-          "worker_id": "w0", "model": "tokenfleet-small"}
+          "route_s": 0.003, "worker_id": "w0", "model": "tokenfleet-small"}
 
 
 def chat_chunk(content: str | None = None, role: str | None = None) -> dict:
@@ -138,7 +138,7 @@ def test_infinite_request_rate_sends_everything_at_once():
     assert poisson_arrivals(5, rate=math.inf) == [0.0] * 5
 
 
-def test_summarize_takes_tpot_from_usage_tokens_and_overhead_from_the_tokenfleet_field():
+def test_summarize_takes_tpot_from_usage_tokens_and_overhead_and_routing_from_the_tokenfleet_field():
     # 5 output tokens by usage, though only 2 content chunks arrived: TPOT = (e2e - ttft) / (5 - 1).
     r = RequestResult(ok=True, prompt_tokens=12, output_tokens=5, ttft_s=0.1, itl_s=[0.4], e2e_s=0.5,
                       server=dict(TIMING, engine_s=0.46))
@@ -146,6 +146,7 @@ def test_summarize_takes_tpot_from_usage_tokens_and_overhead_from_the_tokenfleet
     summary = summarize([r, plain], duration_s=1.0)
     assert summary["tpot_ms"]["p50"] == pytest.approx(100.0)  # only r has more than one token
     assert summary["overhead_ms"]["p50"] == pytest.approx(40.0)
+    assert summary["route_ms"]["p50"] == pytest.approx(3.0)  # the router's part of it
     assert summary["tokenfleet_field_share"] == pytest.approx(0.5)
     assert summary["total_input_tokens"] == 20 and summary["output_throughput"] == pytest.approx(6.0)
 

@@ -23,6 +23,8 @@ def test_a_request_becomes_one_ledger_row_with_the_responses_usage(stack):
     assert (row.tenant, row.model, row.status, row.tier) == ("dev", MODEL, "ok", "small")
     assert row.worker_class == "cpu" and row.gpu_seconds > 0 and row.measured_cost_usd > 0 and row.list_cost_usd > 0
     assert row.e2e_s >= row.ttft_s > 0 and row.routing_reason.startswith("named by the request")
+    timing = response.model_extra["tokenfleet"]  # where the time went, the router's part too
+    assert 0 <= timing["route_s"] <= timing["queue_s"] <= timing["ttft_s"] <= timing["e2e_s"]
 
 
 def test_a_streamed_request_is_recorded_with_the_usage_of_its_final_chunk(stack):

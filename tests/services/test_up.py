@@ -38,10 +38,14 @@ def up_process(cache_dir):
     proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--port", str(port)], env=env,
                             stdout=subprocess.PIPE, text=True)
     yield proc, port, cache_dir
-    if proc.poll() is None:  # the test failed before the stack stopped: take its services down with it
-        for child in psutil.Process(proc.pid).children(recursive=True):
-            child.kill()
-        proc.kill()
+    if proc.poll() is None:  # the test failed before the stack stopped: stop it as Ctrl-C would
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:  # it hangs: its services (not its embedded Redis) go down with it
+            for child in psutil.Process(proc.pid).children(recursive=True):
+                child.kill()
+            proc.kill()
 
 
 def _printed_key(proc, console: list[str] | None = None) -> str:
