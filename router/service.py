@@ -29,6 +29,8 @@ from services.settings import StreamSettings
 
 log = logging.getLogger(__name__)
 TOKENIZER_POLL_S = 5.0  # how often the router looks for newly served models whose tokenizer it lacks
+ROUTER_HEARTBEAT_S = 5.0
+ROUTER_FORGOTTEN_S = 3600.0  # a router silent this long is dropped from ROUTERS_KEY
 
 
 class Router:
@@ -54,6 +56,7 @@ class Router:
         janitor = asyncio.create_task(streams.restarting("router janitor", self._janitor_loop, log))
         self._followers.add(asyncio.create_task(streams.restarting("fleet view", self.fleet.follow, log)))
         self._followers.add(asyncio.create_task(streams.restarting("tokenizers", self._warm_tokenizers, log)))
+        self._followers.add(asyncio.create_task(streams.restarting("heartbeat", self._heartbeat_loop, log)))
         try:
             while not stop.is_set():
                 free = self.max_concurrency - len(self._routing)
@@ -175,6 +178,19 @@ class Router:
                 task = asyncio.create_task(streams.restarting(f"prefix index of {model}", index.follow, log))
                 self._followers.add(task)
         return index
+
+    async def _heartbeat_loop(self) -> None:
+        """Says it is alive (`tokenfleet router --check`, a container's healthcheck) while its loop runs."""
+        while True:
+            now = time.time()
+            seen = await self.redis.hgetall(p.ROUTERS_KEY)
+            gone = [name for name, at in seen.items() if float(at) < now - ROUTER_FORGOTTEN_S]
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.hset(p.ROUTERS_KEY, self.router_id, now)
+                if gone:
+                    pipe.hdel(p.ROUTERS_KEY, *gone)
+                await pipe.execute()
+            await asyncio.sleep(ROUTER_HEARTBEAT_S)
 
     async def _warm_tokenizers(self) -> None:
         """Loads the tokenizers before requests need them: the tiers' built-in models at start-up (while their

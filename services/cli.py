@@ -105,9 +105,13 @@ def _gateway(args: argparse.Namespace) -> int:
 
 
 def _router(args: argparse.Namespace) -> int:
-    from router.main import serve
+    import asyncio
+
+    from router.main import is_alive, serve
     from services.settings import RouterSettings
 
+    if args.check:
+        return 0 if asyncio.run(is_alive(_redis_url())) else 1
     return _run_service("router", serve, RouterSettings())
 
 
@@ -115,6 +119,11 @@ def _accounting(args: argparse.Namespace) -> int:
     from services.accounting.main import serve
     from services.settings import AccountingSettings
 
+    if args.migrate:
+        from services.accounting import db
+
+        db.migrate(db.connect(AccountingSettings().ledger_url()))
+        return 0
     return _run_service("accounting", serve, AccountingSettings())
 
 
@@ -213,6 +222,8 @@ def _add_service_commands(sub) -> None:
     gateway.set_defaults(func=_gateway)
 
     router = sub.add_parser("router", help="the router (request stream -> model work streams)")
+    router.add_argument("--check", action="store_true",
+                        help="exit 0 if a router on this host read the request stream in the last 30 s (a healthcheck)")
     router.set_defaults(func=_router)
     router_sub = router.add_subparsers(dest="router_command")  # optional: a bare `tokenfleet router` serves
     from router.train import add_arguments as add_train_arguments
@@ -221,8 +232,11 @@ def _add_service_commands(sub) -> None:
     add_train_arguments(train)
     train.set_defaults(func=_from_module("router.train", "main"))
 
-    sub.add_parser("accounting", help="the ledger: completion events -> cost and SLA rows (DATABASE_URL or SQLite)"
-                   ).set_defaults(func=_accounting)
+    accounting = sub.add_parser("accounting", help="the ledger: completion events -> cost and SLA rows "
+                                                   "(DATABASE_URL or SQLite)")
+    accounting.add_argument("--migrate", action="store_true",
+                            help="bring the ledger's schema up to date and exit (a one-shot deploy step)")
+    accounting.set_defaults(func=_accounting)
     sub.add_parser("celery", help="the ledger's background jobs (rollups, retention) with their schedule (beat)"
                    ).set_defaults(func=_celery)
 

@@ -42,6 +42,10 @@ def reply_stream(request_id: str) -> str:
     return f"{PREFIX}:reply:{request_id}"
 
 
+# Hash: each router's consumer name -> when it last showed it was alive (a router has no HTTP port to probe).
+ROUTERS_KEY = f"{PREFIX}:routers"
+
+
 def workers_key(model: str) -> str:
     """Sorted set of a model's workers, scored by the time their heartbeat expires."""
     return f"{PREFIX}:workers:{model}"

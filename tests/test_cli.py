@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -103,3 +104,14 @@ def test_bench_prefix_reports_ttft_with_caching_on_and_off(model_dir, tmp_path):
     figures = json.loads(out.read_text())
     assert set(figures["ttft_ms"]) == {"on", "off"} and figures["hit_rate"] > 0.5
     assert "median TTFT off / on" in proc.stdout
+
+
+def test_accounting_migrate_brings_the_ledger_schema_up_and_exits(tmp_path):
+    database = tmp_path / "ledger.db"
+    proc = subprocess.run([sys.executable, "-m", "services.cli", "accounting", "--migrate"], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "DATABASE_URL": f"sqlite:///{database}"})
+    assert proc.returncode == 0, proc.stderr
+    import sqlite3
+
+    tables = {row[0] for row in sqlite3.connect(database).execute("SELECT name FROM sqlite_master")}
+    assert {"ledger", "alembic_version"} <= tables, tables

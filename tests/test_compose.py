@@ -120,7 +120,8 @@ def test_compose_file_is_structurally_valid():
             elif source.startswith("."):
                 assert (ROOT / source).exists(), f"{name}: bind-mount source {source} does not exist"
         for port in service.get("ports", []):
-            assert isinstance(port, str) and re.fullmatch(r"(\d+(-\d+)?:)?\d+(-\d+)?(/(tcp|udp))?", port), \
+            host = r"(\d+(-\d+)?|\$\{[A-Z_]+:-\d+\})"  # a host port, or a variable with a default
+            assert isinstance(port, str) and re.fullmatch(rf"({host}:)?\d+(-\d+)?(/(tcp|udp))?", port), \
                 f"{name}: port {port!r} should be a quoted string like \"8000:8000\""
 
 
@@ -160,7 +161,7 @@ def test_worker_gets_longer_to_stop_than_its_drain_timeout(name):
     assert _seconds(SERVICES[name].get("stop_grace_period", "10s")) > WORKER_DRAIN_TIMEOUT_S
 
 
-def test_prometheus_scrapes_the_gateway_and_every_worker_metrics_port():
+def test_prometheus_scrapes_the_gateway_accounting_and_every_worker_metrics_port():
     with PROMETHEUS_FILE.open() as f:
         config = yaml.safe_load(f)
     targets = {target for job in config["scrape_configs"] for group in job.get("static_configs", [])
@@ -168,10 +169,67 @@ def test_prometheus_scrapes_the_gateway_and_every_worker_metrics_port():
     gateway_command = _command(SERVICES["gateway"])
     expected = {f"gateway:{gateway_command[gateway_command.index('--port') + 1]}"}
     expected |= {f"{name}:{_environment(SERVICES[name])['TOKENFLEET_WORKER_METRICS_PORT']}" for name in GPU_WORKERS}
+    expected.add(f"accounting:{_environment(SERVICES['accounting'])['TOKENFLEET_ACCOUNTING_PORT']}")
     assert expected <= targets, f"not scraped: {expected - targets}"
 
 
 def test_compose_runs_redis_with_the_append_only_file():
     """What a Redis restart must not lose (queued requests, replies, unrecorded completion events) is persisted."""
-    command = _command(_compose()["services"]["redis"])
+    command = shlex.split(" ".join(_command(SERVICES["redis"])))  # `sh -c "exec redis-server ..."`
     assert command[command.index("--appendonly") + 1] == "yes"
+
+
+ONE_SHOT = {"migrate"}  # runs to completion before the services that need it
+NO_CLIENT_INSIDE = {"jaeger"}  # optional (monitoring); its image has nothing to run a check with
+
+
+@pytest.mark.parametrize("name", sorted(set(SERVICES) - ONE_SHOT))
+def test_every_long_running_service_has_a_healthcheck_and_rotated_logs(name):
+    service = SERVICES[name]
+    if name not in NO_CLIENT_INSIDE:
+        assert service.get("healthcheck", {}).get("test"), f"{name} has no healthcheck"
+    assert service.get("logging", {}).get("options", {}).get("max-size"), f"{name}'s log is not rotated"
+
+
+@pytest.mark.parametrize("name", sorted(SERVICES))
+def test_every_image_is_pinned_to_a_version(name):
+    image = SERVICES[name]["image"]
+    tag = image.split("@")[0].rsplit(":", 1)
+    assert len(tag) == 2 and tag[1] not in ("latest", "") and "/" not in tag[1], f"{name}: {image} is not pinned"
+
+
+def test_no_password_is_written_in_the_file():
+    """Passwords come from .env (infra/compose.env.example), and compose refuses to start without them."""
+    text = COMPOSE_FILE.read_text()
+    assert not re.search(r"(?i)password\s*[:=]\s*(?!\$\{)[\w\"']", text.replace("$$REDIS_PASSWORD", ""))
+    for variable in ("REDIS_PASSWORD", "POSTGRES_PASSWORD"):
+        assert f"${{{variable}:?" in text and re.search(rf"^{variable}=$", (
+            ROOT / "infra" / "compose.env.example").read_text(), re.M)
+    assert ".env" in (ROOT / ".gitignore").read_text().split()
+
+
+def test_redis_refuses_writes_when_full_instead_of_evicting_queued_work_and_requires_its_password():
+    command = " ".join(_command(SERVICES["redis"]))
+    assert "--maxmemory-policy noeviction" in command and "--requirepass" in command
+    assert _environment(SERVICES["gateway"])["REDIS_URL"].startswith("redis://:${REDIS_PASSWORD")
+
+
+def test_each_gpu_worker_is_pinned_to_its_own_gpu_by_default():
+    defaults = []
+    for name in GPU_WORKERS:
+        [device] = SERVICES[name]["deploy"]["resources"]["reservations"]["devices"]
+        assert "count" not in device, f"{name}: count and device_ids exclude each other"
+        [pinned] = device["device_ids"]
+        defaults.append(re.fullmatch(r"\$\{[A-Z_]+:-(\w+)\}", pinned).group(1))
+    assert len(set(defaults)) == len(GPU_WORKERS), defaults
+
+
+def test_the_gateway_and_router_read_the_models_volume_without_writing_it():
+    for name in ("gateway", "router"):
+        assert "models:/models:ro" in SERVICES[name]["volumes"], name
+
+
+def test_the_ledger_is_migrated_once_before_the_services_that_use_it():
+    assert _command(SERVICES["migrate"]) == ["accounting", "--migrate"]
+    for name in ("accounting", "celery"):
+        assert SERVICES[name]["depends_on"]["migrate"]["condition"] == "service_completed_successfully"

@@ -110,5 +110,5 @@ def test_probes_ask_routes_the_services_serve(rendered):
             for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
                 if path := container.get(probe, {}).get("httpGet", {}).get("path"):
                     assert path in served[container["name"]], (deployment["metadata"]["name"], probe, path)
-    assert all(c.get("livenessProbe") for name in ("gateway", "accounting", "worker-smollm2")
+    assert all(c.get("livenessProbe") for name in ("gateway", "router", "accounting", "worker-smollm2")
                for c in containers(find(rendered, "Deployment", name)[0]))

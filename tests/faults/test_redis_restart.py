@@ -19,7 +19,7 @@ from tests.services.conftest import API_KEY, MODEL, _free_port
 
 STREAMS = 10
 MAX_TOKENS = 160  # long enough that every stream is mid-generation when Redis dies
-DOWN_S = 6
+DOWN_S = 10  # as long as the outage the issue measured; under TOKENFLEET_REDIS_OUTAGE_S (60 s)
 
 
 def test_redis_killed_under_load_every_stream_ends_whole_or_with_an_error_and_the_ledger_agrees(fault_stack):
@@ -49,7 +49,7 @@ def test_redis_killed_under_load_every_stream_ends_whole_or_with_an_error_and_th
     complete = [o for o in outcomes if o.error is None]
     for outcome in complete:  # each token exactly once: none lost in the outage, none repeated by the resume
         assert outcome.tokens == outcome.usage_tokens == MAX_TOKENS, outcome
-    assert len(complete) == STREAMS, [o.error for o in outcomes]  # a 6 s outage is ridden out, not failed
+    assert len(complete) == STREAMS, [o.error for o in outcomes]  # a 10 s outage is ridden out, not failed
     ledger = fault_stack.ledger({o.request_id for o in outcomes})
     assert len(ledger) == STREAMS
     for outcome in outcomes:

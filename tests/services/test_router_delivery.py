@@ -13,6 +13,7 @@ from cache.response_cache import CacheLookup, ResponseCache
 from gpu_worker.engine.checkpoint import resolve_model_path
 from router import service as router_service
 from router.cache_replay import answer_from_cache
+from router.main import consumer_name, is_alive
 from router.policy import TierPolicy, TierRule
 from router.prompt_encoder import PromptEncoder
 from router.service import Router
@@ -167,3 +168,23 @@ def test_the_router_loads_tokenizers_before_any_request_needs_them(fresh_redis_u
     encoder = asyncio.run(scenario())
     assert encoder.warmed == [builtin, registered]  # each once
     assert encoder.prompt_ids(_request("hello"), registered)  # loaded, so encoding needs no load
+
+
+def test_a_running_router_passes_its_healthcheck_and_a_stopped_one_fails_it(fresh_redis_url):
+    async def scenario():
+        before = await is_alive(fresh_redis_url)
+        redis = connect(fresh_redis_url)
+        router = Router(redis, TierPolicy(TierRule("s", "l", 10, 10)), WorkerChooser(64, 64),
+                        ResponseCache(redis, CacheSettings()), consumer_name(), StreamSettings())
+        stop = asyncio.Event()
+        running = asyncio.create_task(router.run(stop))
+        await asyncio.sleep(1.5)
+        during = await is_alive(fresh_redis_url)
+        stop.set()
+        await running
+        await asyncio.sleep(1.2)
+        after = await is_alive(fresh_redis_url, within_s=1.0)  # it no longer says so
+        await redis.aclose()
+        return before, during, after
+
+    assert asyncio.run(scenario()) == (False, True, False)
