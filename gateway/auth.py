@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import secrets
 import time
 from dataclasses import dataclass
@@ -87,11 +88,14 @@ async def list_keys(redis: aioredis.Redis) -> list[tuple[str, dict]]:
 
 async def revoke_key(redis: aioredis.Redis, key_or_id: str) -> str:
     """Deletes a key, given whole or by its id from `list_keys` (at least 8 of its hex digits); returns its name.
-    Requests with it are refused (401) from then on. ValueError when no key, or more than one, matches."""
-    if key_or_id.startswith(KEY_PREFIX):
-        digests = [hash_key(key_or_id)] if await redis.hexists(p.API_KEYS_KEY, hash_key(key_or_id)) else []
-    elif len(key_or_id) >= 8:
+    Requests with it are refused (401) from then on (a gateway's TOKENFLEET_GATEWAY_DEV_KEY is registered again
+    at its next start). ValueError when no key, or more than one, matches."""
+    if await redis.hexists(p.API_KEYS_KEY, hash_key(key_or_id)):  # the key itself, whatever its form
+        digests = [hash_key(key_or_id)]
+    elif re.fullmatch(r"[0-9a-fA-F]{8,64}", key_or_id):
         digests = [d for d in map(as_text, await redis.hkeys(p.API_KEYS_KEY)) if d.startswith(key_or_id.lower())]
+    elif key_or_id.startswith(KEY_PREFIX):
+        digests = []
     else:
         raise ValueError("give the key itself, or at least 8 hex digits of its id (`tokenfleet keys list`)")
     if len(digests) != 1:

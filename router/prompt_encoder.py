@@ -36,7 +36,7 @@ class PromptEncoder:
     def _load(model_dir: str) -> Tokenizer | None:
         try:
             return open_checkpoint(model_dir).tokenizer()
-        except ModelLoadError:  # the model's files are not on this host: route by load alone
+        except (ModelLoadError, OSError):  # the model's files are not on this host: route by load alone
             log.warning("no tokenizer at %s: routing without prefix matching", model_dir)
             return None
 

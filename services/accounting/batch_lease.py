@@ -6,8 +6,9 @@ job, or a running job would be delivered twice). A job therefore holds a lease o
 TTL that it refreshes while it runs (`BatchLease.hold`). A job that finds the lease held by another runs
 nothing. The sweep (`sweep`, a beat job every TOKENFLEET_ACCOUNTING_BATCH_SWEEP_INTERVAL_S) sends a new job for
 every batch that a job had started (`in_progress` or `cancelling`) whose lease has lapsed: its job died, and the
-new one answers the lines left (the job is idempotent, see batch_jobs.py). A batch still `validating` was never
-started; its message is in Celery's queue, or unacknowledged by a worker that died and redelivered by Celery.
+new one answers the lines left (the job is idempotent, see batch_jobs.py). A batch still `validating` is sent
+again only once it is older than TOKENFLEET_ACCOUNTING_BATCH_REQUEUE_AFTER_S: until then its message is taken to
+be in Celery's queue (behind longer jobs a duplicate may follow; it finds the batch done and runs nothing).
 
 The sweep also expires what is past its window (`expire_if_due`), so a batch whose tenant never reads it again
 still ends on time, and forgets batches that are final or gone."""
@@ -17,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -81,6 +83,13 @@ class BatchLease:
                 await self.redis.eval(_RELEASE, 1, self.key, self.token)
 
 
+def _orphaned(batch: dict, requeue_after_s: float) -> bool:
+    """Started by a job (which holds no lease: it died), or never started long after its creation (its job
+    failed before it began, and Celery acknowledged the failure)."""
+    return batch["status"] in ("in_progress", "cancelling") or (
+        batch["status"] == "validating" and batch["created_at"] < time.time() - requeue_after_s)
+
+
 async def sweep(redis: aioredis.Redis, submit: Callable[[str], object], requeue_after_s: float) -> list[str]:
     """Sends a job (`submit(batch_id)`) for each started batch whose job died; returns their ids. A job sent
     stays `queued` for `requeue_after_s` (how long it may wait in Celery's queue) before being sent again."""
@@ -91,7 +100,7 @@ async def sweep(redis: aioredis.Redis, submit: Callable[[str], object], requeue_
             batch = await expire_if_due(redis, batch)
         if batch is None or batch["status"] in FINAL:
             await redis.zrem(p.ACTIVE_BATCHES_KEY, batch_id)
-        elif batch["status"] in ("in_progress", "cancelling") and await redis.set(
+        elif _orphaned(batch, requeue_after_s) and await redis.set(
                 p.batch_lease_key(batch_id), QUEUED, nx=True, px=int(requeue_after_s * 1000)):
             log.warning("batch %s has no live job (its worker died); sending another", batch_id)
             submit(batch_id)

@@ -89,7 +89,6 @@ def test_the_sweep_sends_a_job_for_a_started_batch_whose_job_died_once_until_it_
         dead = await _store(redis, _batch_record("in_progress"))
         cancelling = await _store(redis, _batch_record("cancelling"))
         alive = await _store(redis, _batch_record("in_progress"))
-        queued = await _store(redis, _batch_record("validating"))  # never started: Celery's queue holds it
         await redis.set(p.batch_lease_key(alive), "a-live-job", px=10_000)
         sent = []
         first = await sweep(redis, sent.append, requeue_after_s=0.5)
@@ -97,14 +96,29 @@ def test_the_sweep_sends_a_job_for_a_started_batch_whose_job_died_once_until_it_
         await asyncio.sleep(0.6)  # the job sent for `dead` never started
         later = await sweep(redis, sent.append, requeue_after_s=0.5)
         await redis.aclose()
-        return (dead, cancelling, alive, queued), first, again, later, sent
+        return (dead, cancelling, alive), first, again, later, sent
 
-    (dead, cancelling, alive, queued), first, again, later, sent = asyncio.run(main())
-    mine = {dead, cancelling, alive, queued}
+    (dead, cancelling, alive), first, again, later, sent = asyncio.run(main())
+    mine = {dead, cancelling, alive}
     assert {b for b in first if b in mine} == {dead, cancelling}
     assert not {b for b in again if b in mine}
     assert {b for b in later if b in mine} == {dead, cancelling}
-    assert sent.count(dead) == 2 and alive not in sent and queued not in sent
+    assert sent.count(dead) == 2 and alive not in sent
+
+
+def test_the_sweep_sends_a_job_for_a_batch_never_started_long_after_its_creation_only(redis_url):
+    async def main():
+        redis = connect(redis_url)
+        queued = await _store(redis, _batch_record("validating"))  # its message waits in Celery's queue
+        stale = _batch_record("validating")
+        stale["created_at"] -= 120  # its job failed before starting it, and Celery acknowledged the failure
+        stale = await _store(redis, stale)
+        sent = await sweep(redis, lambda _: None, requeue_after_s=60)
+        await redis.aclose()
+        return queued, stale, sent
+
+    queued, stale, sent = asyncio.run(main())
+    assert stale in sent and queued not in sent
 
 
 def test_the_sweep_forgets_final_and_gone_batches_and_expires_overdue_ones(redis_url):

@@ -3,6 +3,7 @@ SIGTERM from a service manager, leaving no process behind."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -133,3 +134,12 @@ def test_up_refuses_a_port_in_use_naming_it_and_the_setting_that_moves_it(cache_
                               timeout=120, env={**env, "TOKENFLEET_CACHE_DIR": str(cache_dir), **ports})
     assert proc.returncode == 1 and "tokenfleet is up" not in proc.stdout
     assert f"port {busy} on 127.0.0.1" in proc.stderr and taken in proc.stderr, proc.stderr
+
+
+def test_up_refuses_to_start_a_second_stack_from_the_same_cache_directory(tmp_path):
+    (tmp_path / "stack.json").write_text(json.dumps({"pid": os.getpid(), "url": "http://127.0.0.1:9"}))
+    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "TOKENFLEET_REDIS_URL")}
+    proc = subprocess.run([sys.executable, "-m", "services.cli", "up", "--port", str(_free_port())], text=True,
+                          capture_output=True, timeout=120, env={**env, "TOKENFLEET_CACHE_DIR": str(tmp_path)})
+    assert proc.returncode == 1 and "a stack is already up from" in proc.stderr, proc.stderr
+    assert not (tmp_path / "redis").exists()  # it touched nothing of the running one's
