@@ -37,6 +37,7 @@ MAX_FILE_LINES = 50_000  # requests in one batch, as OpenAI allows
 ACTIVE = ("validating", "in_progress")
 FINAL = ("completed", "failed", "cancelled", "expired")
 UNFINISHED = (*ACTIVE, "cancelling")  # what expires when its window ends ("finalizing" is an expiry under way)
+RESENT_FIELD = "jobs_resent"  # jobs the sweep sent for the batch (services/accounting/batch_lease.py)
 # An expiry whose writer has not finished this long after it began (it died) is finished by the next reader.
 EXPIRY_TAKEOVER_S = 60
 EXPIRED_ERROR = {"code": "batch_expired",
@@ -221,7 +222,7 @@ class Batches:
     """The handlers. `submit(batch_id)` hands a new batch to the job that runs it; a batch expires
     `completion_window_s` after its creation (the gateway passes TOKENFLEET_GATEWAY_BATCH_COMPLETION_WINDOW_S)."""
 
-    PRIVATE = ("tenant", "key")  # record fields for the job, never shown
+    PRIVATE = ("tenant", "key", RESENT_FIELD)  # record fields for the job and its sweep, never shown
 
     def __init__(self, redis: aioredis.Redis, authenticated: Callable[[Request], Awaitable[ApiKey]],
                  submit: Callable[[str], Awaitable[None]] | None, completion_window_s: int):

@@ -25,13 +25,16 @@ from typing import TypeVar
 
 import redis.asyncio as aioredis
 
-from gateway.batches import FINAL, expire_if_due, load_batch
+from gateway.batches import FINAL, RESENT_FIELD, expire_if_due, load_batch, transition
 from services import protocol as p
 from services.redis_client import as_text
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 QUEUED = "queued"  # the lease's value while a job the sweep sent waits in the queue; any job may take it
+# A batch whose job keeps dying (a line that crashes it, a bug) fails after this many jobs sent by the sweep,
+# rather than being retried every sweep until its window ends. Counted in the batch record's RESENT_FIELD.
+MAX_RESENDS = 5
 # Taken when free or only queued; renewed only by its holder, or re-taken when it lapsed and nobody took it.
 _ACQUIRE = """
 local holder = redis.call('GET', KEYS[1])
@@ -102,6 +105,14 @@ async def sweep(redis: aioredis.Redis, submit: Callable[[str], object], requeue_
             await redis.zrem(p.ACTIVE_BATCHES_KEY, batch_id)
         elif _orphaned(batch, requeue_after_s) and await redis.set(
                 p.batch_lease_key(batch_id), QUEUED, nx=True, px=int(requeue_after_s * 1000)):
+            if await redis.hincrby(p.batch_key(batch_id), RESENT_FIELD, 1) > MAX_RESENDS:
+                log.error("batch %s: its job died %d times; the batch fails", batch_id, MAX_RESENDS)
+                await transition(redis, batch_id, ("validating", "in_progress", "cancelling"), status="failed",
+                                 failed_at=int(time.time()),
+                                 errors={"object": "list", "data": [{"code": "job_failed", "line": None, "message":
+                                         f"the batch's job failed {MAX_RESENDS} times in a row; see the Celery "
+                                         "worker's log"}]})
+                continue
             log.warning("batch %s has no live job (its worker died); sending another", batch_id)
             submit(batch_id)
             sent.append(batch_id)

@@ -9,8 +9,9 @@ import json
 import time
 import uuid
 
+from gateway.batches import load_batch
 from services import protocol as p
-from services.accounting.batch_lease import QUEUED, BatchLease, sweep
+from services.accounting.batch_lease import MAX_RESENDS, QUEUED, BatchLease, sweep
 from services.redis_client import connect
 
 
@@ -137,3 +138,21 @@ def test_the_sweep_forgets_final_and_gone_batches_and_expires_overdue_ones(redis
     (done, gone, overdue), sent, members, status = asyncio.run(main())
     assert status == "expired" and overdue not in sent
     assert not members & {done, gone}
+
+
+def test_a_batch_whose_job_keeps_dying_fails_after_max_resends_instead_of_retrying_forever(redis_url):
+    async def main():
+        redis = connect(redis_url)
+        doomed = await _store(redis, _batch_record("in_progress"))
+        sends = []
+        for _ in range(MAX_RESENDS + 1):  # each job sent dies at once: its lease lapses before the next sweep
+            sends += [b for b in await sweep(redis, lambda _: None, requeue_after_s=60)
+                      if b == doomed]
+            await redis.delete(p.batch_lease_key(doomed))
+        batch = await load_batch(redis, doomed)
+        await redis.aclose()
+        return len(sends), batch
+
+    sends, batch = asyncio.run(main())
+    assert sends == MAX_RESENDS and batch["status"] == "failed"
+    assert batch["errors"]["data"][0]["code"] == "job_failed"
