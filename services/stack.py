@@ -88,10 +88,7 @@ def local_dev_key() -> str:
     path = cache_dir() / "dev-key"
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
-        staging = path.with_suffix(f".{os.getpid()}")
-        staging.write_text("tf-dev-" + secrets.token_urlsafe(16) + "\n")
-        staging.chmod(0o600)
-        staging.replace(path)
+        _write_atomically(path, "tf-dev-" + secrets.token_urlsafe(16) + "\n", private=True)
     return path.read_text().strip()
 
 
@@ -168,8 +165,8 @@ def up(host: str, port: int, workers: list[tuple[str, str]], ready_timeout_s: fl
                   redis_dir=cache_dir() / "redis")
     state = cache_dir() / STATE_FILE
     try:
-        _write_json(state, {"pid": os.getpid(), "url": stack.url, "redis_url": stack.redis_url,
-                            "finance_url": f"http://{host}:{finance_port}"})
+        _write_atomically(state, json.dumps({"pid": os.getpid(), "url": stack.url, "redis_url": stack.redis_url,
+                                             "finance_url": f"http://{host}:{finance_port}"}))
         started = time.monotonic()
         said = started
         hint = " (a first start builds the CPU kernels: a minute or two)"
@@ -207,9 +204,12 @@ def running_stack() -> dict | None:
     return state
 
 
-def _write_json(path: Path, value: dict) -> None:
+def _write_atomically(path: Path, text: str, private: bool = False) -> None:
+    """A reader sees the old file or the new one, never half of it (`private`: readable by its owner only)."""
     staging = path.with_suffix(f".{os.getpid()}")
-    staging.write_text(json.dumps(value))
+    staging.write_text(text)
+    if private:
+        staging.chmod(0o600)
     staging.replace(path)
 
 

@@ -31,10 +31,15 @@ def cache_dir(tmp_path_factory):
     return cache
 
 
+def _env_without_redis() -> dict[str, str]:
+    """This environment less REDIS_URL: `tokenfleet up` then embeds its own Redis."""
+    return {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "TOKENFLEET_REDIS_URL")}
+
+
 @pytest.fixture
 def up_process(cache_dir):
     port = _free_port()
-    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "TOKENFLEET_REDIS_URL")}
+    env = _env_without_redis()
     env["TOKENFLEET_CACHE_DIR"] = str(cache_dir)
     proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--port", str(port)], env=env,
                             stdout=subprocess.PIPE, text=True)
@@ -110,7 +115,7 @@ def test_up_restarts_a_killed_service_and_keeps_serving(up_process):
     assert reply.choices[0].message.content  # routed by the new router
 
     # `tokenfleet keys` finds the running stack's embedded Redis by itself
-    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "TOKENFLEET_REDIS_URL")}
+    env = _env_without_redis()
     created = subprocess.run([sys.executable, "-m", "services.cli", "keys", "create", "up-tenant"], text=True,
                              capture_output=True, timeout=60, env={**env, "TOKENFLEET_CACHE_DIR": str(cache)})
     assert created.returncode == 0, created.stderr
@@ -129,7 +134,7 @@ def test_up_refuses_a_port_in_use_naming_it_and_the_setting_that_moves_it(cache_
         busy = holder.getsockname()[1]
         ports = {"TOKENFLEET_GATEWAY_PORT": str(_free_port()), "TOKENFLEET_ACCOUNTING_PORT": str(_free_port()),
                  taken: str(busy)}  # the settings reach `tokenfleet up`, with no --port
-        env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "TOKENFLEET_REDIS_URL")}
+        env = _env_without_redis()
         proc = subprocess.run([sys.executable, "-m", "services.cli", "up"], capture_output=True, text=True,
                               timeout=120, env={**env, "TOKENFLEET_CACHE_DIR": str(cache_dir), **ports})
     assert proc.returncode == 1 and "tokenfleet is up" not in proc.stdout
@@ -138,7 +143,7 @@ def test_up_refuses_a_port_in_use_naming_it_and_the_setting_that_moves_it(cache_
 
 def test_up_refuses_to_start_a_second_stack_from_the_same_cache_directory(tmp_path):
     (tmp_path / "stack.json").write_text(json.dumps({"pid": os.getpid(), "url": "http://127.0.0.1:9"}))
-    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "TOKENFLEET_REDIS_URL")}
+    env = _env_without_redis()
     proc = subprocess.run([sys.executable, "-m", "services.cli", "up", "--port", str(_free_port())], text=True,
                           capture_output=True, timeout=120, env={**env, "TOKENFLEET_CACHE_DIR": str(tmp_path)})
     assert proc.returncode == 1 and "a stack is already up from" in proc.stderr, proc.stderr
