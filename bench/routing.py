@@ -84,8 +84,7 @@ def fleet_figures(redis_url: str, model: str) -> dict:
 
     from services import protocol as p
 
-    events = [p.decode(p.CompletionEvent, fields)
-              for _, fields in redis.Redis.from_url(redis_url, decode_responses=True).xrange(p.EVENTS_STREAM)]
+    events = p.completion_events(redis.Redis.from_url(redis_url, decode_responses=True).xrange(p.EVENTS_STREAM))
     events = [e for e in events if e.model == model and e.usage.prompt_tokens > 100]  # not the warm-up
     served: dict[str, int] = {}
     for e in events:

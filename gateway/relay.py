@@ -7,20 +7,25 @@ refuses (prompt past the context) still gets its 400 rather than an error inside
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from redis.exceptions import WatchError
 
 from gateway.admission import Admission
 from gateway.idempotency import FirstRequest, Idempotency
 from gateway.render import ResponseBuilder
 from gateway.schemas import CACHE_HEADER, ChatCompletionRequest, RequestError
 from services import protocol as p
+from services import streams
 from services.redis_client import RECONNECTING, UNREACHABLE, Outage
 from services.replies import add_reply, follow_replies, signal_cancel
 from services.settings import GatewaySettings, StreamSettings
+
+log = logging.getLogger(__name__)
 
 
 def sse(obj: dict | str) -> str:
@@ -51,12 +56,12 @@ class Relay:
                 self._respond(req, rid, message.created, owner=True, store=idempotency_record), is_disconnected)
         except _ClientGone:  # before the response started: nobody is left to answer
             self._later(self.cancel(rid))
-            self._later(self.admission.release(req.model, rid))
+            self._later(self._release(req.model, rid))
             return Response(status_code=499)
         except BaseException as exc:
             if _gave_up(exc):  # nobody will read the rest (or, if the enqueueing failed, it is never run)
                 self._later(self.cancel(rid))
-            self._later(self.admission.release(req.model, rid))
+            self._later(self._release(req.model, rid))
             raise
 
     async def replay(self, req, first: FirstRequest) -> Response:
@@ -80,7 +85,7 @@ class Relay:
                                   on_close=lambda: self._closed(req.model, rid, owner, progress))
         body = await self._collect(builder, replies, req.n)
         if owner:
-            self._later(self.admission.release(req.model, rid))
+            self._later(self._release(req.model, rid))
         if store is not None:
             await self.idempotency.store_result(*store, body)
         return JSONResponse(body, headers=marked)
@@ -131,29 +136,59 @@ class Relay:
         if owner:
             if not progress.done:
                 self._later(self.cancel(rid))
-            self._later(self.admission.release(model, rid))
+            self._later(self._release(model, rid))
 
     async def cancel(self, request_id: str) -> None:
-        """Reaches a worker that holds the request now (pub/sub) or takes it later (the key), and closes the
-        reply stream for anyone else following it (an Idempotency-Key replay). Waits out a Redis restart:
-        a request left uncancelled would run, and be billed, for nobody."""
-        error = p.ErrorBody(message="the request was cancelled: its client disconnected", type="server_error",
+        """The client will not get the rest of its response (it left, or this gateway stopped waiting). A request
+        still running is cancelled: its worker, holding it now (pub/sub) or taking it later (the key), ends it
+        unfinished, and anyone else following its reply stream (an Idempotency-Key replay) is told. One its
+        worker finished already is `DeliveryCut` for the ledger. Waits out a Redis restart: a request left
+        uncancelled would run, and be billed, for nobody."""
+        error = p.ErrorBody(message="the request was cancelled: its client no longer follows it", type="server_error",
                             code="cancelled", status=499)
+        await self._through_outage(lambda: self._cancel_once(request_id, error))
+
+    async def _release(self, model: str, request_id: str) -> None:
+        """Its place in the queue given back, after a Redis restart too (else held until the request times out)."""
+        await self._through_outage(lambda: self.admission.release(model, request_id))
+
+    async def _through_outage(self, step: Callable[[], Awaitable[None]]) -> None:
         outage = Outage(self.streams.reply_ttl_s)
         while True:
             try:
-                async with self.redis.pipeline(transaction=False) as pipe:
-                    signal_cancel(pipe, request_id, self.streams)
-                    add_reply(pipe, request_id, p.ReplyChunk(kind="error", error=error), self.streams)
-                    await pipe.execute()
-                return
+                return await step()
             except RECONNECTING as exc:
                 await outage.wait(self.redis, exc)
+
+    async def _cancel_once(self, request_id: str, error: p.ErrorBody) -> None:
+        # Optimistic on the reply stream: a worker's finish landing meanwhile (its final chunk) makes it look
+        # again, and the worker's finish watches the cancel key the same way, so exactly one of them wins.
+        key = p.reply_stream(request_id)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            while True:
+                try:
+                    await pipe.watch(key)
+                    last = await pipe.xrevrange(key, count=1)
+                    pipe.multi()
+                    if last and p.decode(p.ReplyChunk, last[0][1]).kind == "finished":
+                        streams.add_event(pipe, p.DeliveryCut(request_id=request_id))
+                    else:
+                        signal_cancel(pipe, request_id, self.streams)
+                        add_reply(pipe, request_id, p.ReplyChunk(kind="error", error=error), self.streams)
+                    await pipe.execute()
+                    return
+                except WatchError:
+                    continue
 
     def _later(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        task.add_done_callback(self._done_later)
+
+    def _done_later(self, task: asyncio.Task) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and (exc := task.exception()):
+            log.error("a request's clean-up failed: %s", exc)
 
 
 @dataclass

@@ -190,7 +190,7 @@ class Worker:
         except Exception as exc:  # one request's failure is its own: reported, acknowledged, never retried
             log.exception("request %s failed", rid)
             error = p.ErrorBody(message=f"worker error: {exc}", type="server_error", status=500)
-            await self._close(delivery, rid, [p.ReplyChunk(kind="error", error=error, worker_id=self.worker_id)],
+            await self._close(delivery, request, [p.ReplyChunk(kind="error", error=error, worker_id=self.worker_id)],
                               self._abandoned(request, "error"))
 
     async def _generate(self, delivery: streams.Delivery, request: p.GenerateRequest, history: ReplyHistory) -> None:
@@ -201,7 +201,7 @@ class Worker:
         except InvalidRequestError as err:  # the client's fault: "rejected", kept out of SLA attainment
             param = "messages" if request.kind == "chat" and err.param == "prompt" else err.param
             error = p.ErrorBody(message=str(err), param=param, code=err.code or "invalid_request", status=400)
-            await self._close(delivery, rid, [p.ReplyChunk(kind="error", error=error, worker_id=self.worker_id)],
+            await self._close(delivery, request, [p.ReplyChunk(kind="error", error=error, worker_id=self.worker_id)],
                               self._abandoned(request, "rejected"))
             return
         if history.started is None:
@@ -236,7 +236,7 @@ class Worker:
             await self._fill_cache(request, usage)
         # Observed before the reply closes: a scrape right after the client has its last token counts it.
         self.metrics.observe(timing, usage.completion_tokens)
-        await self._close(delivery, rid, [finished], event)
+        await self._close(delivery, request, [finished], event)
 
     async def _fill_cache(self, request: p.GenerateRequest, usage: p.Usage) -> None:
         """The whole response, as its reply stream holds it (a resumed request's too), into the caches before
@@ -272,16 +272,18 @@ class Worker:
                 await self.replies.publish(rid, chunks)
         return out
 
-    async def _close(self, delivery: streams.Delivery, request_id: str, chunks: list[p.ReplyChunk],
+    async def _close(self, delivery: streams.Delivery, request: p.GenerateRequest, chunks: list[p.ReplyChunk],
                      event: p.CompletionEvent | None = None) -> None:
-        """The final chunks, the completion event and the acknowledgement, all or none (`ReplyPublisher.finish`)."""
+        """The final chunks, the completion event and the acknowledgement, all or none (`ReplyPublisher.finish`);
+        a request cancelled before they land ends as cancelled instead."""
         def event_and_ack(pipe) -> None:
             if event is not None:
                 streams.add_event(pipe, event)
             pipe.xack(delivery.stream, p.WORKER_GROUP, delivery.entry_id)
 
-        await self.replies.finish(request_id, chunks, event_and_ack)
-        self.inflight.pop(request_id, None)  # acknowledged: no longer ours to refresh (a cache fill may follow)
+        if not await self.replies.finish(request.request_id, chunks, event_and_ack):
+            await self._abandon(delivery, request, "cancelled")
+        self.inflight.pop(request.request_id, None)  # acknowledged: no longer ours to refresh (a cache fill may follow)
 
     # ---- liveness and cancellation --------------------------------------------------------------------
 

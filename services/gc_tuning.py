@@ -7,6 +7,7 @@ which is the stack's tail latency. Objects alive at the end of start-up live as 
 """
 
 import asyncio
+import faulthandler
 import gc
 import signal
 
@@ -18,8 +19,10 @@ def freeze_startup_objects() -> None:
 
 def started() -> asyncio.Event:
     """Call once a service has started (in its event loop): freezes start-up's objects and returns an event
-    that SIGTERM or SIGINT sets, on which the service stops (draining first where it has work in hand)."""
+    that SIGTERM or SIGINT sets, on which the service stops (draining first where it has work in hand).
+    SIGUSR1 prints every thread's stack to stderr: where a service that does not stop is stuck."""
     freeze_startup_objects()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

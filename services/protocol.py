@@ -6,6 +6,7 @@ carries `v` (the schema version) and `traceparent` (W3C trace context) so one tr
     gateway --GenerateRequest--> REQUESTS_STREAM --router--> work_stream(model) --worker
     worker  --ReplyChunk-------> reply_stream(request_id) --gateway (client)
     worker  --CompletionEvent--> EVENTS_STREAM --accounting
+    gateway --DeliveryCut------> EVENTS_STREAM (its client did not get a finished response whole)
     worker  --DeadLetter-------> DEAD_LETTER_STREAM (after MAX_DELIVERIES)
     gateway --request_id-------> CANCEL_CHANNEL (pub/sub) + cancel_key(request_id)  --worker aborts
     gateway --batch id---------> Celery's batch queue --batch job--> REQUESTS_STREAM (as the gateway enqueues)
@@ -17,7 +18,7 @@ import json
 import time
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 SCHEMA_VERSION = 1
 PREFIX = "tf"
@@ -332,6 +333,27 @@ class CompletionEvent(Message):
                    timing=Timing.unserved(request.enqueued_at), routing=request.routing,
                    status=status, sla_class=request.sla_class, enqueued_at=request.enqueued_at,
                    traceparent=request.traceparent, **worker_fields)
+
+
+class DeliveryCut(Message):
+    """The gateway's word that a client did not get the whole of a response its worker had finished: the client
+    left, or the gateway stopped waiting out a Redis outage and ended the stream with an error. It follows the
+    worker's `ok` event on the events stream, and the ledger row says `cancelled`: what the client got."""
+
+    request_id: str
+
+
+_EVENT = TypeAdapter(CompletionEvent | DeliveryCut)
+
+
+def decode_event(fields: dict) -> CompletionEvent | DeliveryCut:
+    """An events-stream entry (`extra="forbid"` keeps the two shapes apart)."""
+    return _EVENT.validate_json(raw_message(fields))
+
+
+def completion_events(entries) -> list[CompletionEvent]:
+    """The completion events among an events stream's (entry id, fields) pairs, in order."""
+    return [e for _, fields in entries if isinstance(e := decode_event(fields), CompletionEvent)]
 
 
 class DeadLetter(Message):

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Callable
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import WatchError
 
 from . import protocol as p
 from .redis_client import BLOCK_MS, RECONNECTING, Outage
@@ -68,18 +69,27 @@ class ReplyPublisher:
         # shielded: a cancelled publisher must not cancel the write that carries the others' chunks too
         await asyncio.shield(self.publish_nowait(request_id, chunks))
 
-    async def finish(self, request_id: str, chunks: list[p.ReplyChunk], also: Callable[[Pipeline], None]) -> None:
+    async def finish(self, request_id: str, chunks: list[p.ReplyChunk], also: Callable[[Pipeline], None]) -> bool:
         """A request's last chunks, after everything queued before them, in one transaction with the commands
         `also` queues (its completion event and acknowledgement): a cancel or a crash at any moment leaves all
-        of them or none, never a finished reply whose event is missing from the ledger."""
+        of them or none, never a finished reply whose event is missing from the ledger. False, and nothing
+        written, when the request was cancelled first (its client has been told it ended unfinished)."""
         if self._flush is not None:  # chunks queued and not yet taken by a write go first
             await asyncio.shield(self._flush)
         self._check(request_id)
         async with self._order, self.redis.pipeline(transaction=True) as pipe:
-            for chunk in chunks:
-                add_reply(pipe, request_id, chunk, self.settings)
-            also(pipe)
-            await pipe.execute()
+            try:
+                await pipe.watch(p.cancel_key(request_id))  # a cancel landing before the commit voids it
+                if await pipe.exists(p.cancel_key(request_id)):
+                    return False
+                pipe.multi()
+                for chunk in chunks:
+                    add_reply(pipe, request_id, chunk, self.settings)
+                also(pipe)
+                await pipe.execute()
+                return True
+            except WatchError:
+                return False
 
     async def flushed(self) -> None:
         """Returns once everything published so far is written (before handing work back)."""

@@ -253,7 +253,7 @@ async def dead_letter_exhausted(redis: aioredis.Redis, group: str, claimed: list
     return fresh
 
 
-def add_event(pipe, event: p.CompletionEvent) -> None:
+def add_event(pipe, event: p.CompletionEvent | p.DeliveryCut) -> None:
     """Never trimmed by length: the accounting service trims what it has recorded (`trim_acknowledged`), so
     events pile up rather than vanish while it is down, and admission refuses work past a backlog bound."""
     pipe.xadd(p.EVENTS_STREAM, event.encode())

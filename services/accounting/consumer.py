@@ -86,14 +86,7 @@ class LedgerConsumer:
     async def write(self, deliveries: list[streams.Delivery]) -> None:
         if not deliveries:
             return
-        events, rows = [], []
-        for delivery in deliveries:
-            try:
-                event = p.decode(p.CompletionEvent, delivery.fields)
-                rows.append(ledger.row(event, self.prices, self.sla))
-                events.append(event)
-            except ValueError:  # not an event of ours: acknowledged below with the rest, logged, never retried
-                log.error("dropping malformed completion event %s", delivery.entry_id)
+        events, rows, cuts = self._decode(deliveries)
         started = time.time()
         try:
             new = set(await asyncio.to_thread(ledger.record, self.engine, rows))
@@ -111,5 +104,37 @@ class LedgerConsumer:
                 "tokenfleet.sla_met": recorded["sla_met"]})
         for recorded in rows:  # every one, not only the new: a replay after a crash settles what the crash missed
             await self.settle(recorded["request_id"], float(recorded["list_cost_usd"]))
-        await self.redis.xack(p.EVENTS_STREAM, ACCOUNTING_GROUP, *(d.entry_id for d in deliveries))
+        unrecorded = await self._cut(cuts)
+        if done := [d.entry_id for d in deliveries if d.entry_id not in unrecorded]:
+            await self.redis.xack(p.EVENTS_STREAM, ACCOUNTING_GROUP, *done)
         log.debug("ledger: %d events, %d new rows", len(deliveries), len(new))
+
+    def _decode(self, deliveries: list[streams.Delivery]):
+        """The completion events and their rows, and the delivery cuts (entry id -> request id, deliveries)."""
+        events, rows, cuts = [], [], {}
+        for delivery in deliveries:
+            try:
+                event = p.decode_event(delivery.fields)
+                if isinstance(event, p.DeliveryCut):
+                    cuts[delivery.entry_id] = (event.request_id, delivery.deliveries)
+                    continue
+                rows.append(ledger.row(event, self.prices, self.sla))
+                events.append(event)
+            except ValueError:  # not an event of ours: acknowledged with the rest, logged, never retried
+                log.error("dropping malformed completion event %s", delivery.entry_id)
+        return events, rows, cuts
+
+    async def _cut(self, cuts: dict[str, tuple[str, int]]) -> set[str]:
+        """Applies the delivery cuts (entry id -> request id, deliveries); returns the entries to leave pending.
+        A cut follows its request's event on the stream, so its row is normally there; one read before it (the
+        event's consumer died, and the janitor has yet to take it over) is left for the janitor to offer again."""
+        recorded = await asyncio.to_thread(ledger.cut, self.engine, [rid for rid, _ in cuts.values()])
+        waiting = set()
+        for entry_id, (request_id, deliveries) in cuts.items():
+            if request_id in recorded:
+                continue
+            if deliveries < self.streams.max_deliveries:
+                waiting.add(entry_id)
+            else:
+                log.error("dropping the delivery cut of %s: its request has no ledger row", request_id)
+        return waiting

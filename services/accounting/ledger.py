@@ -6,7 +6,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from decimal import Decimal
 
-from sqlalchemy import Engine
+from sqlalchemy import Engine, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 
 from services import protocol as p
@@ -60,6 +60,18 @@ def record(engine: Engine, rows: list[dict]) -> list[str]:
                  .returning(LedgerRow.request_id))
     with engine.begin() as connection:
         return list(connection.execute(statement, rows).scalars())
+
+
+def cut(engine: Engine, request_ids: list[str]) -> set[str]:
+    """Rows whose client did not get the response whole (`p.DeliveryCut`) say `cancelled`, and missed their SLA;
+    returns the request ids that have a row (the others' events are not recorded yet)."""
+    if not request_ids:
+        return set()
+    with engine.begin() as connection:
+        (connection.execute(update(LedgerRow).where(LedgerRow.request_id.in_(request_ids), LedgerRow.status == "ok")
+                            .values(status="cancelled", sla_met=False)))
+        return set(connection.execute(select(LedgerRow.request_id)
+                                      .where(LedgerRow.request_id.in_(request_ids))).scalars())
 
 
 def _money(usd: float) -> Decimal:

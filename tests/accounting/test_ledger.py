@@ -15,7 +15,7 @@ from sqlalchemy import func, select
 from services import protocol as p
 from services import streams
 from services.accounting import ledger
-from services.accounting.consumer import ACCOUNTING_GROUP, LedgerConsumer
+from services.accounting.consumer import ACCOUNTING_GROUP, LedgerConsumer, no_settlement
 from services.accounting.models import Base, LedgerRow
 from services.accounting.prices import PriceTable
 from services.accounting.sla import SlaPolicy
@@ -91,6 +91,37 @@ def test_a_response_cache_hit_is_priced_at_the_cached_input_price_with_no_measur
     assert (row.cache_result, row.list_cost_usd, row.measured_cost_usd) == ("semantic", expected, Decimal(0))
 
 
+def _consumer_run(ledger_engine, entries: list[p.Message], dead_reader_takes: int = 0, settle=no_settlement,
+                  replay: bool = False) -> int:
+    """`entries` on a fresh events stream; a consumer that dies after reading the first `dead_reader_takes`, then
+    a survivor reading the rest and, in two janitor ticks, taking over the dead one's (`replay`: the second tick
+    writes the first one's batch again, as if the survivor had crashed after its commit). Returns what is left
+    pending."""
+    settings = StreamSettings(claim_idle_ms=0)
+
+    async def scenario():
+        embedded = EmbeddedRedis()
+        redis = connect(embedded.url)
+        try:
+            await streams.ensure_group(redis, p.EVENTS_STREAM, ACCOUNTING_GROUP)
+            for entry in entries:
+                await redis.xadd(p.EVENTS_STREAM, entry.encode())
+            if dead_reader_takes:
+                await streams.read_new(redis, p.EVENTS_STREAM, ACCOUNTING_GROUP, "a", dead_reader_takes, None)
+            survivor = LedgerConsumer(redis, ledger_engine, PRICES, SLA, "b", settings, settle)
+            await survivor.write(await streams.read_new(redis, p.EVENTS_STREAM, ACCOUNTING_GROUP, "b", 10, None))
+            claimer = streams.StaleClaimer(redis, p.EVENTS_STREAM, ACCOUNTING_GROUP, "b", settings)
+            claimed = await claimer.claim(10)
+            await survivor.write(claimed)
+            await survivor.write(claimed if replay else await claimer.claim(10))
+            return (await redis.xpending(p.EVENTS_STREAM, ACCOUNTING_GROUP))["pending"]
+        finally:
+            await redis.aclose()
+            embedded.close()
+
+    return asyncio.run(scenario())
+
+
 def test_a_consumer_killed_before_its_commit_loses_no_event_and_a_replay_duplicates_none(ledger_engine):
     events = [_event() for _ in range(5)]
     settled = []
@@ -98,26 +129,9 @@ def test_a_consumer_killed_before_its_commit_loses_no_event_and_a_replay_duplica
     async def settle(request_id: str, usd: float) -> None:
         settled.append(request_id)
 
-    async def scenario():
-        embedded = EmbeddedRedis()
-        redis = connect(embedded.url)
-        try:
-            await streams.ensure_group(redis, p.EVENTS_STREAM, ACCOUNTING_GROUP)
-            for event in events:
-                await redis.xadd(p.EVENTS_STREAM, event.encode())
-            # consumer "a" reads the batch and dies before writing it: the events stay pending under its name
-            await streams.read_new(redis, p.EVENTS_STREAM, ACCOUNTING_GROUP, "a", 10, None)
-            survivor = LedgerConsumer(redis, ledger_engine, PRICES, SLA, "b", StreamSettings(claim_idle_ms=0), settle)
-            claimed = await streams.StaleClaimer(redis, p.EVENTS_STREAM, ACCOUNTING_GROUP, "b",
-                                                 StreamSettings(claim_idle_ms=0)).claim(10)
-            await survivor.write(claimed)
-            await survivor.write(claimed)  # as if "b" crashed after its commit, before acknowledging
-            return (await redis.xpending(p.EVENTS_STREAM, ACCOUNTING_GROUP))["pending"]
-        finally:
-            await redis.aclose()
-            embedded.close()
-
-    pending = asyncio.run(scenario())
+    # consumer "a" reads the batch and dies before writing it; the survivor's janitor takes it over, and its
+    # second tick replays the batch as if the survivor had crashed after its commit, before acknowledging
+    pending = _consumer_run(ledger_engine, events, dead_reader_takes=5, settle=settle, replay=True)
     with ledger_engine.connect() as connection:
         count = connection.execute(select(func.count()).select_from(LedgerRow)).scalar_one()
     assert count == 5 and pending == 0
@@ -149,3 +163,26 @@ def test_a_row_the_database_refuses_is_dead_lettered_and_the_others_are_recorded
     letters, pending = asyncio.run(scenario())
     assert sorted(r.request_id for r in _rows(ledger_engine)) == sorted([events[0].request_id, events[2].request_id])
     assert [letter.event.request_id for letter in letters] == [refused.request_id] and pending == 0
+
+
+def test_a_delivery_cut_turns_its_finished_tasks_row_cancelled(ledger_engine):
+    finished, other = _event(), _event()
+    pending = _consumer_run(ledger_engine, [finished, other, p.DeliveryCut(request_id=finished.request_id)])
+    assert {r.request_id: (r.status, r.sla_met) for r in _rows(ledger_engine)} == {
+        finished.request_id: ("cancelled", False), other.request_id: ("ok", True)}
+    assert pending == 0
+
+
+def test_a_delivery_cut_leaves_a_failed_tasks_status_as_it_was(ledger_engine):
+    failed = _event("error")
+    _consumer_run(ledger_engine, [failed, p.DeliveryCut(request_id=failed.request_id)])
+    assert [r.status for r in _rows(ledger_engine)] == ["error"]
+
+
+def test_a_delivery_cut_read_before_its_event_waits_for_the_event(ledger_engine):
+    """Its event was read by a consumer that died: the cut stays pending until the janitor hands the event over."""
+    finished = _event()
+    pending = _consumer_run(ledger_engine, [finished, p.DeliveryCut(request_id=finished.request_id)],
+                            dead_reader_takes=1)
+    assert [(r.request_id, r.status) for r in _rows(ledger_engine)] == [(finished.request_id, "cancelled")]
+    assert pending == 0

@@ -79,15 +79,16 @@ class FaultStack:
             except subprocess.TimeoutExpired:
                 proc.kill()
 
-    def ledger(self, request_ids: set[str], timeout_s: float = 30) -> dict[str, dict]:
+    def ledger(self, request_ids: set[str], timeout_s: float = 30, status: str | None = None) -> dict[str, dict]:
         """The ledger rows of `request_ids` (status, token counts), once the accounting service wrote them all
-        or `timeout_s` passed."""
+        (each with `status`, when given: a row may be amended after it is written) or `timeout_s` passed."""
         from services.accounting.models import LedgerRow
 
         deadline = time.monotonic() + timeout_s
         while True:
             found = {row["request_id"]: row for row in self._rows(LedgerRow.request_id.in_(request_ids))}
-            if len(found) == len(request_ids) or time.monotonic() > deadline:
+            settled = status is None or all(row["status"] == status for row in found.values())
+            if len(found) == len(request_ids) and settled or time.monotonic() > deadline:
                 return found
             time.sleep(0.2)
 

@@ -107,8 +107,8 @@ class Stack:
         request_id = response_id.split("-", 1)[1]
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            for _, fields in self.redis().xrange(p.EVENTS_STREAM):
-                if (event := p.decode(p.CompletionEvent, fields)).request_id == request_id:
+            for event in p.completion_events(self.redis().xrange(p.EVENTS_STREAM)):
+                if event.request_id == request_id:
                     return event
             time.sleep(0.1)
         raise AssertionError(f"no completion event for {request_id}")

@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import subprocess
 import time
 import uuid
+from dataclasses import dataclass
 
 import httpx
 
@@ -162,7 +164,13 @@ def test_work_a_draining_worker_cannot_finish_in_time_is_handed_back_and_complet
         leaving, staying = sorted(pair, key=lambda w: not started.worker_id.endswith(f"-{w.pid}"))
         leaving.send_signal(signal.SIGTERM)
         received += list(lines)
-    assert leaving.wait(60) == 0  # a loaded 2-core host took over 30 s to stop a worker
+    try:
+        leaving.wait(60)  # a loaded 2-core host took over 30 s to stop a worker
+    except subprocess.TimeoutExpired:
+        leaving.send_signal(signal.SIGUSR1)  # its threads' stacks, in the captured output
+        time.sleep(1)
+        raise
+    assert leaving.returncode == 0
     chunks = [json.loads(line[6:]) for line in received if line.startswith("data: {")]
     assert chunks[-1]["usage"]["completion_tokens"] == max_tokens
     replies = [p.decode(p.ReplyChunk, f) for _, f in stack.redis().xrange(p.reply_stream(
@@ -172,47 +180,99 @@ def test_work_a_draining_worker_cannot_finish_in_time_is_handed_back_and_complet
     assert len(served_by) == 2 and replies[-1].worker_id.endswith(f"-{staying.pid}")
     positions = [c.position for c in replies if c.kind == "delta"]
     assert positions == sorted(positions) and sum(len(c.token_ids) for c in replies if c.kind == "delta") == max_tokens
-    event = next(e for _, f in stack.redis().xrange(p.EVENTS_STREAM)
-                 if (e := p.decode(p.CompletionEvent, f)).request_id == response.headers["x-request-id"])
+    event = next(e for e in p.completion_events(stack.redis().xrange(p.EVENTS_STREAM))
+                 if e.request_id == response.headers["x-request-id"])
     assert event.deliveries == 1  # a hand-back is not counted against the request
 
 
-def test_a_cancel_at_any_moment_of_a_finish_leaves_exactly_one_completion_event(redis_url):
-    """The cancel loop cancels the request's task wherever it is, then abandons the request; a task cut
-    between its final chunk and its event once left a finished reply with no event (no ledger row)."""
-    from gpu_worker.service import Worker
-    from services.settings import WorkerSettings
+@dataclass
+class _Finishing:
+    """A request a worker took from its stream and is about to finish (its final chunk and event ready)."""
 
-    async def one(cancel_after: int) -> tuple[int, int]:
-        redis, stream, rid = connect(redis_url), f"test-work-{uuid.uuid4().hex}", uuid.uuid4().hex
-        request = p.GenerateRequest(request_id=rid, kind="completion", model=MODEL, prompt="hi",
+    redis: object
+    stream: str
+    request: p.GenerateRequest
+    worker: object
+    delivery: streams.Delivery
+
+    @classmethod
+    async def start(cls, redis_url: str) -> _Finishing:
+        from gpu_worker.service import Worker
+        from services.settings import WorkerSettings
+
+        redis, stream = connect(redis_url), f"test-work-{uuid.uuid4().hex}"
+        request = p.GenerateRequest(request_id=uuid.uuid4().hex, kind="completion", model=MODEL, prompt="hi",
                                     sampling=p.SamplingOptions())
         info = p.ModelInfo(name=MODEL, model_dir="/m", max_model_len=64)
         worker = Worker(redis, None, info, "w-test", WorkerSettings(), StreamSettings(), None, None)
         await streams.ensure_group(redis, stream, p.WORKER_GROUP)
         await redis.xadd(stream, request.encode())
         [delivery] = await streams.read_new(redis, stream, p.WORKER_GROUP, "w-test", 1, 100)
+        return cls(redis, stream, request, worker, delivery)
+
+    def finish(self) -> asyncio.Task:
         usage = p.Usage(prompt_tokens=1, completion_tokens=1)
         finished = p.ReplyChunk(kind="finished", worker_id="w-test", model=MODEL, usage=usage)
-        event = p.CompletionEvent(request_id=rid, model=MODEL, worker_id="w-test", finish_reasons=["stop"],
-                                  usage=usage, timing=p.Timing.unserved(time.time()))
-        task = asyncio.create_task(worker._close(delivery, rid, [finished], event))
+        event = p.CompletionEvent(request_id=self.request.request_id, model=MODEL, worker_id="w-test",
+                                  finish_reasons=["stop"], usage=usage, timing=p.Timing.unserved(time.time()))
+        return asyncio.create_task(self.worker._close(self.delivery, self.request, [finished], event))
+
+    async def events(self) -> list[p.CompletionEvent | p.DeliveryCut]:
+        entries = [p.decode_event(f) for _, f in await self.redis.xrange(p.EVENTS_STREAM, "-", "+")]
+        return [e for e in entries if e.request_id == self.request.request_id]
+
+    async def close(self) -> int:
+        """Returns how many of its work entries are still pending."""
+        pending = (await self.redis.xpending(self.stream, p.WORKER_GROUP))["pending"]
+        await self.redis.delete(self.stream)
+        await self.redis.aclose()
+        return pending
+
+
+def test_a_cancel_at_any_moment_of_a_finish_leaves_exactly_one_completion_event(redis_url):
+    """The cancel loop cancels the request's task wherever it is, then abandons the request; a task cut
+    between its final chunk and its event once left a finished reply with no event (no ledger row)."""
+    async def one(cancel_after: int) -> tuple[int, int]:
+        request = await _Finishing.start(redis_url)
+        task = request.finish()
         for _ in range(cancel_after):
             await asyncio.sleep(0)
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
-        await worker._abandon(delivery, request, "cancelled")
-        events = [e for _, f in await redis.xrange(p.EVENTS_STREAM, "-", "+")
-                  if (e := p.decode(p.CompletionEvent, f)).request_id == rid]
-        pending = (await redis.xpending(stream, p.WORKER_GROUP))["pending"]
-        await redis.delete(stream)
-        await redis.aclose()
-        return len(events), pending
+        await request.worker._abandon(request.delivery, request.request, "cancelled")
+        events = [e for e in await request.events() if isinstance(e, p.CompletionEvent)]
+        return len(events), await request.close()
 
     async def scenario():
         return [await one(n) for n in range(12)]
 
     assert asyncio.run(scenario()) == [(1, 0)] * 12
+
+
+def test_a_gateway_cancel_racing_a_workers_finish_leaves_the_ledger_saying_cancelled(redis_url):
+    """The gateway cancels a request its client no longer follows (it left, or a Redis outage outlasted the
+    gateway's wait) just as the worker finishes it: whichever lands first, the events leave the ledger saying
+    `cancelled` (an unfinished request's event, or the finished one's followed by a DeliveryCut), never `ok`."""
+    from gateway.relay import Relay
+    from services.settings import GatewaySettings
+
+    async def one(cancel_after: int) -> tuple[str, int, int]:
+        request = await _Finishing.start(redis_url)
+        relay = Relay(request.redis, None, None, GatewaySettings(), StreamSettings())
+        finish = request.finish()
+        for _ in range(cancel_after):
+            await asyncio.sleep(0)
+        await asyncio.gather(finish, relay.cancel(request.request.request_id))
+        mine = await request.events()
+        status = mine[0].status if isinstance(mine[0], p.CompletionEvent) else "a cut before any event"
+        if status == "ok" and isinstance(mine[-1], p.DeliveryCut):  # the ledger's reading of the two
+            status = "cancelled"
+        return status, sum(isinstance(e, p.CompletionEvent) for e in mine), await request.close()
+
+    async def scenario():
+        return [await one(n) for n in range(12)]
+
+    assert asyncio.run(scenario()) == [("cancelled", 1, 0)] * 12
 
 
 def test_the_events_stream_loses_only_what_accounting_acknowledged(redis_url):
@@ -257,8 +317,8 @@ def test_completion_events_are_not_trimmed_by_length(redis_url):
                 delivery = streams.Delivery(stream, "0-1", request.encode(), 4)
                 await streams.dead_letter(redis, p.WORKER_GROUP, delivery, "test", request, settings)
                 await redis.delete(stream)
-            return sum(p.decode(p.CompletionEvent, f).request_id == request.request_id
-                       for _, f in await redis.xrange(p.EVENTS_STREAM, min=since))
+            return sum(e.request_id == request.request_id
+                       for e in p.completion_events(await redis.xrange(p.EVENTS_STREAM, min=since)))
         finally:
             await redis.aclose()
 

@@ -108,7 +108,7 @@ def test_repeated_idempotency_key_runs_once_and_returns_the_same_body(stack):
     assert first.status_code == second.status_code == 200
     assert first.json() == second.json()
     request_id = first.json()["id"].removeprefix("cmpl-")
-    events = [p.decode(p.CompletionEvent, f) for _, f in stack.redis().xrange(p.EVENTS_STREAM)]
+    events = p.completion_events(stack.redis().xrange(p.EVENTS_STREAM))
     assert sum(e.request_id == request_id for e in events) == 1
 
 

@@ -104,9 +104,8 @@ def test_chat_logprobs_carry_the_sampled_token_and_its_top_alternatives(stack):
 def test_auto_routes_a_short_request_to_the_small_tier_and_records_why(stack):
     reply = stack.client().chat.completions.create(model="auto", messages=MESSAGES, max_tokens=8)
     assert reply.model == MODEL
-    events = stack.redis().xrange(p.EVENTS_STREAM)
-    event = next(p.decode(p.CompletionEvent, f) for _, f in events
-                 if p.decode(p.CompletionEvent, f).request_id == reply.id.removeprefix("chatcmpl-"))
+    event = next(e for e in p.completion_events(stack.redis().xrange(p.EVENTS_STREAM))
+                 if e.request_id == reply.id.removeprefix("chatcmpl-"))
     assert event.routing.model == MODEL and event.routing.reason.startswith("auto:")
     assert event.usage.completion_tokens == reply.usage.completion_tokens
 
