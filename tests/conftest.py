@@ -3,6 +3,7 @@ databases; and a check that the suite leaves no server running."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -13,6 +14,8 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+
+from tests import containers
 
 # bench/gpu_check.sh runs the exactness tests on CUDA with TOKENFLEET_TEST_DEVICE=cuda.
 DEVICE = os.environ.get("TOKENFLEET_TEST_DEVICE", "cpu")
@@ -36,10 +39,14 @@ ARCHITECTURES = {
 
 @pytest.fixture(scope="session")
 def redis_url():
-    """A real Redis: REDIS_URL when set (CI points it at the machine's Redis), else an embedded server."""
+    """A real Redis: REDIS_URL's, else a container's, else an embedded server (tests/containers.py)."""
     url = os.environ.get("REDIS_URL")
     if url:
         yield url
+        return
+    if containers.docker_unavailable() is None:
+        with containers.redis_container() as url:
+            yield url
         return
     from services.redis_client import EmbeddedRedis
 
@@ -48,17 +55,22 @@ def redis_url():
     embedded.close()
 
 
-
-
 @pytest.fixture(scope="session")
 def new_database(tmp_path_factory):
-    """new_database() -> the URL of an empty database of its own: a fresh schema of DATABASE_URL's PostgreSQL
-    when it is set (CI points it at the machine's server), else a new SQLite file. Dropped at the end."""
+    """new_database() -> the URL of an empty database of its own: a fresh schema of a PostgreSQL server
+    (DATABASE_URL's, else a container's), else a new SQLite file (tests/containers.py). Dropped at the end."""
+    with contextlib.ExitStack() as stack:
+        server = os.environ.get("DATABASE_URL") or (
+            stack.enter_context(containers.postgres_container()) if containers.docker_unavailable() is None else None)
+        yield from _schemas(server, tmp_path_factory)
+
+
+def _schemas(server: str | None, tmp_path_factory):
     from sqlalchemy import create_engine, text
 
     from services.accounting.db import normalize_url
 
-    server, schemas = os.environ.get("DATABASE_URL"), []
+    schemas = []
 
     def new() -> str:
         if not server:
@@ -75,6 +87,7 @@ def new_database(tmp_path_factory):
         with create_engine(normalize_url(server)).begin() as connection:
             for schema in schemas:
                 connection.execute(text(f"DROP SCHEMA {schema} CASCADE"))
+
 
 @pytest.fixture(scope="session")
 def embedder():

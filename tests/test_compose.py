@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import subprocess
@@ -12,6 +13,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE_FILE = ROOT / "docker-compose.yml"
+CPU_OVERRIDE = ROOT / "docker-compose.cpu.yml"
 PROMETHEUS_FILE = ROOT / "infra" / "prometheus" / "prometheus.yml"
 TOKENFLEET_IMAGE = "tokenfleet"  # the image built from infra/docker/Dockerfile; its entrypoint is `tokenfleet`
 TOKENFLEET_SERVICES = ["gateway", "router", "worker-small", "worker-large"]
@@ -90,14 +92,25 @@ def _compose_cli() -> list[str] | None:
     return None
 
 
-def test_docker_compose_config_accepts_the_file():
+def _config(*files: Path, **env: str) -> subprocess.CompletedProcess:
     cli = _compose_cli()
     if cli is None:
         pytest.skip("neither `docker compose` nor `docker-compose` is installed here; "
                     "test_compose_file_is_structurally_valid checks the file instead")
-    proc = subprocess.run([*cli, "-f", str(COMPOSE_FILE), "config", "-q"], capture_output=True, text=True,
-                          timeout=120, cwd=ROOT)
+    unset = {k: v for k, v in os.environ.items() if not k.startswith(("REDIS_", "POSTGRES_", "TOKENFLEET_"))}
+    command = [*cli, *(arg for f in files for arg in ("-f", str(f))), "config", "-q"]
+    return subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT, env={**unset, **env})
+
+
+@pytest.mark.parametrize("files", [[COMPOSE_FILE], [COMPOSE_FILE, CPU_OVERRIDE]], ids=["gpu", "cpu"])
+def test_docker_compose_config_accepts_the_file(files):
+    proc = _config(*files, REDIS_PASSWORD="r3dis", POSTGRES_PASSWORD="p0stgres")
     assert proc.returncode == 0, proc.stderr
+
+
+def test_docker_compose_refuses_to_start_without_the_passwords():
+    proc = _config(COMPOSE_FILE)
+    assert proc.returncode != 0 and "set REDIS_PASSWORD in .env" in proc.stderr
 
 
 def test_compose_file_is_structurally_valid():
