@@ -13,16 +13,14 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from redis.exceptions import WatchError
 
 from gateway.admission import Admission
 from gateway.idempotency import FirstRequest, Idempotency
 from gateway.render import ResponseBuilder
 from gateway.schemas import CACHE_HEADER, ChatCompletionRequest, RequestError
 from services import protocol as p
-from services import streams
 from services.redis_client import RECONNECTING, UNREACHABLE, Outage
-from services.replies import add_reply, follow_replies, signal_cancel
+from services.replies import end_for_client, follow_replies
 from services.settings import GatewaySettings, StreamSettings
 
 log = logging.getLogger(__name__)
@@ -139,14 +137,11 @@ class Relay:
             self._later(self._release(model, rid))
 
     async def cancel(self, request_id: str) -> None:
-        """The client will not get the rest of its response (it left, or this gateway stopped waiting). A request
-        still running is cancelled: its worker, holding it now (pub/sub) or taking it later (the key), ends it
-        unfinished, and anyone else following its reply stream (an Idempotency-Key replay) is told. One its
-        worker finished already is `DeliveryCut` for the ledger. Waits out a Redis restart: a request left
-        uncancelled would run, and be billed, for nobody."""
+        """The client will not get the rest of its response (`end_for_client`). Waits out a Redis restart: a
+        request left uncancelled would run, and be billed, for nobody."""
         error = p.ErrorBody(message="the request was cancelled: its client no longer follows it", type="server_error",
                             code="cancelled", status=499)
-        await self._through_outage(lambda: self._cancel_once(request_id, error))
+        await self._through_outage(lambda: end_for_client(self.redis, request_id, error, self.streams))
 
     async def _release(self, model: str, request_id: str) -> None:
         """Its place in the queue given back, after a Redis restart too (else held until the request times out)."""
@@ -159,26 +154,6 @@ class Relay:
                 return await step()
             except RECONNECTING as exc:
                 await outage.wait(self.redis, exc)
-
-    async def _cancel_once(self, request_id: str, error: p.ErrorBody) -> None:
-        # Optimistic on the reply stream: a worker's finish landing meanwhile (its final chunk) makes it look
-        # again, and the worker's finish watches the cancel key the same way, so exactly one of them wins.
-        key = p.reply_stream(request_id)
-        async with self.redis.pipeline(transaction=True) as pipe:
-            while True:
-                try:
-                    await pipe.watch(key)
-                    last = await pipe.xrevrange(key, count=1)
-                    pipe.multi()
-                    if last and p.decode(p.ReplyChunk, last[0][1]).kind == "finished":
-                        streams.add_event(pipe, p.DeliveryCut(request_id=request_id))
-                    else:
-                        signal_cancel(pipe, request_id, self.streams)
-                        add_reply(pipe, request_id, p.ReplyChunk(kind="error", error=error), self.streams)
-                    await pipe.execute()
-                    return
-                except WatchError:
-                    continue
 
     def _later(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)

@@ -273,17 +273,17 @@ class Worker:
         return out
 
     async def _close(self, delivery: streams.Delivery, request: p.GenerateRequest, chunks: list[p.ReplyChunk],
-                     event: p.CompletionEvent | None = None) -> None:
-        """The final chunks, the completion event and the acknowledgement, all or none (`ReplyPublisher.finish`);
-        a request cancelled before they land ends as cancelled instead."""
-        def event_and_ack(pipe) -> None:
-            if event is not None:
-                streams.add_event(pipe, event)
-            pipe.xack(delivery.stream, p.WORKER_GROUP, delivery.entry_id)
-
-        if not await self.replies.finish(request.request_id, chunks, event_and_ack):
+                     event: p.CompletionEvent) -> None:
+        """The final chunks, the completion event and the acknowledgement, all or none, unless the request was
+        cancelled first (its client told it ended unfinished): then it ends as cancelled."""
+        rid = request.request_id
+        additions = [streams.Addition(p.reply_stream(rid), chunk, ttl_s=self.streams.reply_ttl_s) for chunk in chunks]
+        additions.append(streams.Addition(p.EVENTS_STREAM, event))  # never trimmed by length: `streams.add_event`
+        outcome = await self.replies.finish(rid, lambda: streams.ack_then_add(
+            self.redis, delivery.stream, p.WORKER_GROUP, delivery.entry_id, additions, veto=p.cancel_key(rid)))
+        if outcome is streams.Outcome.VETOED:
             await self._abandon(delivery, request, "cancelled")
-        self.inflight.pop(request.request_id, None)  # acknowledged: no longer ours to refresh (a cache fill may follow)
+        self.inflight.pop(rid, None)  # acknowledged: no longer ours to refresh (a cache fill may follow)
 
     # ---- liveness and cancellation --------------------------------------------------------------------
 
@@ -359,18 +359,14 @@ class Worker:
 
     async def _abandon(self, delivery: streams.Delivery, request: p.GenerateRequest, status: p.TaskStatus) -> None:
         """Acknowledge a request that will not finish, with its completion event: what its reply stream shows
-        it got (a cancelled stream's tokens were computed and sent; the ledger counts them)."""
-        entries = await replies.reply_history(self.redis, request.request_id)
-        if any(chunk.kind == "finished" for _, chunk in entries):  # it finished as the cancel came: its own
-            await self.redis.xack(delivery.stream, p.WORKER_GROUP, delivery.entry_id)  # event stands alone
-            return
-        history = ReplyHistory.of(entries)
+        it got (a cancelled stream's tokens were computed and sent; the ledger counts them). Once: a request that
+        finished as the cancel came, or that the other path (the task's own, the cancel loop's) abandoned
+        already, keeps the event it has."""
+        history = ReplyHistory.of(await replies.reply_history(self.redis, request.request_id))
         usage = p.Usage(prompt_tokens=history.started.prompt_tokens or 0 if history.started else 0,
                         completion_tokens=history.completion_tokens())
-        async with self.redis.pipeline(transaction=True) as pipe:
-            streams.add_event(pipe, self._abandoned(request, status, usage))
-            pipe.xack(delivery.stream, p.WORKER_GROUP, delivery.entry_id)
-            await pipe.execute()
+        await streams.ack_then_add(self.redis, delivery.stream, p.WORKER_GROUP, delivery.entry_id,
+                                   [streams.Addition(p.EVENTS_STREAM, self._abandoned(request, status, usage))])
 
 
 def _cache_result(request: p.GenerateRequest) -> str | None:

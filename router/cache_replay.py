@@ -16,7 +16,7 @@ CACHE_WORKER = "response-cache"  # the worker_id of answers that no worker compu
 
 
 async def answer_from_cache(redis: aioredis.Redis, entry_id: str, request: p.GenerateRequest, hit: CacheLookup,
-                            settings: StreamSettings) -> bool:
+                            settings: StreamSettings) -> streams.Outcome:
     completion, rid = hit.completion, request.request_id
     model = request.routing.model
     # No worker computed this answer: every prompt token counts as cached, and no guess was scored.
@@ -36,4 +36,6 @@ async def answer_from_cache(redis: aioredis.Redis, entry_id: str, request: p.Gen
                               enqueued_at=request.enqueued_at, traceparent=request.traceparent)
     additions = [streams.Addition(p.reply_stream(rid), chunk, ttl_s=settings.reply_ttl_s) for chunk in chunks]
     additions.append(streams.Addition(p.EVENTS_STREAM, event))  # never trimmed by length: `streams.add_event`
-    return await streams.ack_then_add(redis, p.REQUESTS_STREAM, p.ROUTER_GROUP, entry_id, additions)
+    # Vetoed by a cancel (its client left while it queued): then it goes on to a worker, which ends it cancelled.
+    return await streams.ack_then_add(redis, p.REQUESTS_STREAM, p.ROUTER_GROUP, entry_id, additions,
+                                      veto=p.cancel_key(rid))

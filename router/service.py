@@ -126,8 +126,9 @@ class Router:
         request.traceparent = telemetry.traceparent(span)
         if cached.completion is not None:
             span.set_attributes({"gen_ai.request.model": model, "tokenfleet.cache": cached.result})
-            await answer_from_cache(self.redis, delivery.entry_id, request, cached, self.streams)
-            return
+            answered = await answer_from_cache(self.redis, delivery.entry_id, request, cached, self.streams)
+            if answered is not streams.Outcome.VETOED:
+                return
         target, registry = await self._place(request, models.get(model))
         decision = request.routing
         span.set_attributes({"gen_ai.request.model": model, "tokenfleet.route.reason": decision.reason,

@@ -5,16 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
 
 import redis.asyncio as aioredis
-from redis.asyncio.client import Pipeline
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import WatchError
 
 from . import protocol as p
 from .redis_client import BLOCK_MS, RECONNECTING, Outage
 from .settings import StreamSettings
+
+T = TypeVar("T")
 
 
 def signal_cancel(pipe, request_id: str, settings: StreamSettings) -> None:
@@ -22,6 +23,39 @@ def signal_cancel(pipe, request_id: str, settings: StreamSettings) -> None:
     key one that takes it later."""
     pipe.set(p.cancel_key(request_id), 1, ex=settings.reply_ttl_s)
     pipe.publish(p.CANCEL_CHANNEL, request_id)
+
+
+# A client's request ends short of its response (see `end_for_client`). KEYS: reply stream, cancel key, events
+# stream. ARGV: field, ttl, the error chunk, the cut, the cancel channel, the request id.
+_END_FOR_CLIENT = """
+local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
+if #last == 1 then
+  local fields = last[1][2]
+  for i = 1, #fields, 2 do
+    if fields[i] == ARGV[1] and cjson.decode(fields[i + 1])['kind'] == 'finished' then
+      redis.call('XADD', KEYS[3], '*', ARGV[1], ARGV[4])
+      return 'cut'
+    end
+  end
+end
+redis.call('SET', KEYS[2], 1, 'EX', ARGV[2])
+redis.call('PUBLISH', ARGV[5], ARGV[6])
+redis.call('XADD', KEYS[1], '*', ARGV[1], ARGV[3])
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+return 'cancelled'
+"""
+
+
+async def end_for_client(redis: aioredis.Redis, request_id: str, error: p.ErrorBody, settings: StreamSettings) -> str:
+    """The client will not get the rest of a request's response (it left, or its gateway stopped waiting), in one
+    atomic step: a request still running is cancelled (`signal_cancel`) and its reply stream closed with `error`
+    for anyone else following it; one its worker finished already gets a `DeliveryCut` on the events stream, so
+    its ledger row says `cancelled`. A worker's finish is vetoed by the cancel key (`streams.ack_then_add`), so of
+    the two, whichever lands first decides. Returns "cancelled" or "cut"."""
+    chunk, cut = p.ReplyChunk(kind="error", error=error), p.DeliveryCut(request_id=request_id)
+    return await redis.eval(_END_FOR_CLIENT, 3, p.reply_stream(request_id), p.cancel_key(request_id),
+                            p.EVENTS_STREAM, p.FIELD, settings.reply_ttl_s, chunk.encode()[p.FIELD],
+                            cut.encode()[p.FIELD], p.CANCEL_CHANNEL, request_id)
 
 
 def add_reply(pipe, request_id: str, chunk: p.ReplyChunk, settings: StreamSettings) -> None:
@@ -69,27 +103,15 @@ class ReplyPublisher:
         # shielded: a cancelled publisher must not cancel the write that carries the others' chunks too
         await asyncio.shield(self.publish_nowait(request_id, chunks))
 
-    async def finish(self, request_id: str, chunks: list[p.ReplyChunk], also: Callable[[Pipeline], None]) -> bool:
-        """A request's last chunks, after everything queued before them, in one transaction with the commands
-        `also` queues (its completion event and acknowledgement): a cancel or a crash at any moment leaves all
-        of them or none, never a finished reply whose event is missing from the ledger. False, and nothing
-        written, when the request was cancelled first (its client has been told it ended unfinished)."""
+    async def finish(self, request_id: str, commit: Callable[[], Awaitable[T]]) -> T:
+        """Runs `commit`, one atomic write of a request's last chunks with its completion event and acknowledgement
+        (`streams.ack_then_add`), after every chunk queued before it: a crash or a cancel at any moment leaves all
+        of them or none, never a finished reply whose event is missing from the ledger."""
         if self._flush is not None:  # chunks queued and not yet taken by a write go first
             await asyncio.shield(self._flush)
         self._check(request_id)
-        async with self._order, self.redis.pipeline(transaction=True) as pipe:
-            try:
-                await pipe.watch(p.cancel_key(request_id))  # a cancel landing before the commit voids it
-                if await pipe.exists(p.cancel_key(request_id)):
-                    return False
-                pipe.multi()
-                for chunk in chunks:
-                    add_reply(pipe, request_id, chunk, self.settings)
-                also(pipe)
-                await pipe.execute()
-                return True
-            except WatchError:
-                return False
+        async with self._order:
+            return await commit()
 
     async def flushed(self) -> None:
         """Returns once everything published so far is written (before handing work back)."""

@@ -17,8 +17,9 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from services import first_start
 from services.redis_client import EmbeddedRedis
-from services.settings import GatewaySettings, RedisSettings, RouterSettings, cache_dir
+from services.settings import GatewaySettings, RedisSettings, RouterSettings, WorkerSettings, cache_dir
 from services.supervisor import Service, Supervisor
 
 # The local stack's max_tokens for requests that set none: a reply, not the rest of an 8k context.
@@ -145,20 +146,17 @@ def up(host: str, port: int, workers: list[tuple[str, str]], ready_timeout_s: fl
     """`workers`: (model, tier) pairs, one worker process each. A service that exits is restarted; Ctrl-C or
     SIGTERM (a service manager, `kill`) stops them all, each draining as on its own SIGTERM. Each service's
     output goes to its own file in the cache directory's `logs/`, or to the console with `console_logs`."""
-    if other := running_stack():  # it would share, then stop, that stack's embedded Redis
-        print(f"tokenfleet: a stack is already up from {cache_dir()} ({other.get('url')}, pid {other['pid']}); "
-              "stop it first, or run another with its own TOKENFLEET_CACHE_DIR", file=sys.stderr)
-        return 1
     finance_port = int(os.environ.get("TOKENFLEET_ACCOUNTING_PORT") or port + 1)
-    for number, what, setting in ((port, "the gateway", "--port or TOKENFLEET_GATEWAY_PORT"),
-                                  (finance_port, "the finance API", "TOKENFLEET_ACCOUNTING_PORT")):
-        if not port_free(host, number):  # else the banner would point at whatever holds it
-            print(f"tokenfleet: port {number} on {host}, for {what}, is in use (another `tokenfleet up`, or another "
-                  f"server); choose a free one with {setting}", file=sys.stderr)
-            return 1
+    if refusal := _cannot_start(host, port, finance_port):
+        print(f"tokenfleet: {refusal}", file=sys.stderr)
+        return 1
     signal.signal(signal.SIGTERM, _interrupt)
     log_dir = None if console_logs else cache_dir() / "logs"
     models = sorted({model for model, _ in workers})
+    try:
+        first_start.prepare(models, WorkerSettings())
+    except KeyboardInterrupt:
+        return 0
     print(f"tokenfleet: starting the gateway, router, accounting, Celery and {len(workers)} worker(s) "
           f"({', '.join(models)})" + (f"; logs in {log_dir}" if log_dir else ""), flush=True)
     stack = start(host, port, workers, env={"TOKENFLEET_ACCOUNTING_PORT": str(finance_port)}, log_dir=log_dir,
@@ -169,7 +167,6 @@ def up(host: str, port: int, workers: list[tuple[str, str]], ready_timeout_s: fl
                                              "finance_url": f"http://{host}:{finance_port}"}))
         started = time.monotonic()
         said = started
-        hint = " (a first start builds the CPU kernels: a minute or two)"
         while missing := waiting_for(stack.url, set(models)):
             if not stack.supervisor.check():
                 return 1
@@ -178,9 +175,8 @@ def up(host: str, port: int, workers: list[tuple[str, str]], ready_timeout_s: fl
                 print("tokenfleet: the stack did not become ready; stopping", file=sys.stderr)
                 return 1
             if now > said + PROGRESS_EVERY_S:
-                print(f"tokenfleet: starting ({now - started:.0f} s): waiting for {', '.join(missing)}{hint}",
-                      flush=True)
-                said, hint = now, ""
+                print(f"tokenfleet: starting ({now - started:.0f} s): waiting for {', '.join(missing)}", flush=True)
+                said = now
             time.sleep(0.5)
         print(banner(stack, host, finance_port, models, log_dir), flush=True)
         while stack.supervisor.check():
@@ -191,6 +187,18 @@ def up(host: str, port: int, workers: list[tuple[str, str]], ready_timeout_s: fl
     finally:
         state.unlink(missing_ok=True)
         stack.stop()
+
+
+def _cannot_start(host: str, port: int, finance_port: int) -> str | None:
+    if other := running_stack():  # it would share, then stop, that stack's embedded Redis
+        return (f"a stack is already up from {cache_dir()} ({other.get('url')}, pid {other['pid']}); stop it first, "
+                "or run another with its own TOKENFLEET_CACHE_DIR")
+    for number, what, setting in ((port, "the gateway", "--port or TOKENFLEET_GATEWAY_PORT"),
+                                  (finance_port, "the finance API", "TOKENFLEET_ACCOUNTING_PORT")):
+        if not port_free(host, number):  # else the banner would point at whatever holds it
+            return (f"port {number} on {host}, for {what}, is in use (another `tokenfleet up`, or another server); "
+                    f"choose a free one with {setting}")
+    return None
 
 
 def running_stack() -> dict | None:

@@ -4,6 +4,7 @@ entries, forwarding, dead-lettering, trimming. Reply streams are `replies.py`'s.
 from __future__ import annotations
 
 import asyncio
+import enum
 import json
 import time
 from dataclasses import dataclass
@@ -103,15 +104,17 @@ async def refresh(redis: aioredis.Redis, stream: str, group: str, consumer: str,
 
 # Add messages to streams only if this consumer's acknowledgement of `entry_id` is the one that counts: a
 # router that stalled past `claim_idle_ms` must not forward (or answer from the cache) what another router
-# already did. KEYS: the source, N targets, then optionally a registry set (an inbox's: its adopters find it
-# there). ARGV: group, entry id, N, field, registry member, then per target: maxlen (0: none), ttl (0: none),
-# the message.
+# already did. KEYS: the source, N targets, then a registry set (an inbox's: its adopters find it there) when
+# ARGV[5] names a member, then a veto key when ARGV[6] is 1 (its existence stops everything: a cancel). ARGV:
+# group, entry id, N, field, registry member or "", veto?, then per target: maxlen (0: none), ttl (0: none), the
+# message.
 _ACK_THEN_ADD = """
+if ARGV[6] == '1' and redis.call('EXISTS', KEYS[#KEYS]) == 1 then return 0 end
 if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return false end
 local n = tonumber(ARGV[3])
-if #KEYS == n + 2 then redis.call('SADD', KEYS[n + 2], ARGV[5]) end
+if ARGV[5] ~= '' then redis.call('SADD', KEYS[n + 2], ARGV[5]) end
 for i = 1, n do
-  local base = 5 + 3 * (i - 1)
+  local base = 6 + 3 * (i - 1)
   local maxlen, ttl = tonumber(ARGV[base + 1]), tonumber(ARGV[base + 2])
   if maxlen > 0 then
     redis.call('XADD', KEYS[1 + i], 'MAXLEN', '~', maxlen, '*', ARGV[4], ARGV[base + 3])
@@ -124,6 +127,12 @@ return 1
 """
 
 
+class Outcome(enum.Enum):
+    ADDED = "added"
+    ACKNOWLEDGED_BEFORE = "acknowledged before"  # another consumer (or an earlier call) did it
+    VETOED = "vetoed"  # the veto key exists: nothing acknowledged, nothing added
+
+
 @dataclass(frozen=True)
 class Addition:
     stream: str
@@ -133,21 +142,23 @@ class Addition:
 
 
 async def ack_then_add(redis: aioredis.Redis, source: str, group: str, entry_id: str, additions: list[Addition],
-                       registry: tuple[str, str] | None = None) -> bool:
-    """Acknowledge `entry_id` and make the additions, atomically, once; False if already acknowledged.
+                       registry: tuple[str, str] | None = None, veto: str | None = None) -> Outcome:
+    """Acknowledge `entry_id` and make the additions, atomically and once, unless the key `veto` exists.
     `registry`: (set, member) to add to in the same step."""
-    keys = [source, *(a.stream for a in additions), *([registry[0]] if registry else [])]
-    args = [group, entry_id, len(additions), p.FIELD, registry[1] if registry else ""]
+    keys = [source, *(a.stream for a in additions), *([registry[0]] if registry else []), *([veto] if veto else [])]
+    args = [group, entry_id, len(additions), p.FIELD, registry[1] if registry else "", 1 if veto else 0]
     for addition in additions:
         args += [addition.maxlen, addition.ttl_s, addition.message.encode()[p.FIELD]]
-    return await redis.eval(_ACK_THEN_ADD, len(keys), *keys, *args) is not None
+    done = await redis.eval(_ACK_THEN_ADD, len(keys), *keys, *args)
+    return Outcome.ACKNOWLEDGED_BEFORE if done is None else Outcome.ADDED if done else Outcome.VETOED
 
 
 async def forward(redis: aioredis.Redis, source: str, group: str, entry_id: str, target: str, message: p.Message,
                   settings: StreamSettings, registry: tuple[str, str] | None = None) -> bool:
-    """Move an entry to `target` once (see `ack_then_add`)."""
-    return await ack_then_add(redis, source, group, entry_id, [Addition(target, message, settings.stream_maxlen)],
-                              registry)
+    """Move an entry to `target` once (see `ack_then_add`); False if it was moved before."""
+    added = await ack_then_add(redis, source, group, entry_id, [Addition(target, message, settings.stream_maxlen)],
+                               registry)
+    return added is Outcome.ADDED
 
 
 # Delete an adopted inbox once nothing in it is pending or unread, atomically: a router's XADD lands either

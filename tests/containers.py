@@ -13,6 +13,8 @@ import contextlib
 import functools
 import os
 import secrets
+import shutil
+import signal
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,23 +27,46 @@ os.environ.setdefault("TESTCONTAINERS_RYUK_DISABLED", "true")
 os.environ.setdefault("TESTCONTAINERS_CONNECTION_MODE", "bridge_ip")
 
 
-@functools.cache
 def docker_unavailable() -> str | None:
     """None once a Docker engine answers and the local images exist (both made here when missing), else why Docker
-    cannot be had here. A failure of either, where it can be had, is raised: it is a failure of the suite."""
+    cannot be had here. Where it can be had and making it fails, that failure is raised: a failure of the suite."""
+    reason, failure = _docker()
+    if failure:
+        raise RuntimeError(failure)
+    return reason
+
+
+@functools.cache
+def _docker() -> tuple[str | None, str | None]:
+    """(why Docker cannot be had here, or how getting it failed), once per run."""
     if os.environ.get("TOKENFLEET_TEST_DOCKER") == "0":
-        return "TOKENFLEET_TEST_DOCKER=0"
-    engine = subprocess.run(["bash", str(ROOT / "infra/docker/engine.sh")], capture_output=True, text=True,
-                            timeout=600)
-    if engine.returncode == 2:
-        return f"no Docker engine: {engine.stderr.strip()}"
+        return "TOKENFLEET_TEST_DOCKER=0", None
+    engine = _script("engine.sh", 600)
+    if engine.returncode == 77:
+        return f"no Docker engine: {engine.stderr.strip()}", None
     if engine.returncode != 0:
-        raise RuntimeError(f"infra/docker/engine.sh failed: {engine.stderr}")
-    images = subprocess.run(["bash", str(ROOT / "infra/docker/local-images.sh")], capture_output=True, text=True,
-                            timeout=1200)
-    if images.returncode != 0:
-        raise RuntimeError(f"infra/docker/local-images.sh failed: {images.stdout}{images.stderr}")
-    return None
+        return None, f"infra/docker/engine.sh failed: {engine.stderr}"
+    images = [REDIS_IMAGE, POSTGRES_IMAGE, "tokenfleet-base:bookworm"]
+    missing = subprocess.run(["docker", "image", "inspect", *images], capture_output=True, timeout=60).returncode
+    if missing and (os.geteuid() != 0 or not shutil.which("apt-get")):
+        return "the local images (infra/docker/local-images.sh) are not built, and building them needs root", None
+    built = _script("local-images.sh", 1200) if missing else None
+    if built is not None and built.returncode != 0:
+        return None, f"infra/docker/local-images.sh failed: {built.stdout}{built.stderr}"
+    return None, None
+
+
+def _script(name: str, timeout_s: float) -> subprocess.CompletedProcess:
+    """infra/docker/<name> in a session of its own, killed whole (apt, mmdebstrap, docker build) on a timeout."""
+    proc = subprocess.Popen(["bash", str(ROOT / "infra/docker" / name)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        err += f"\n(killed after {timeout_s:.0f} s)"
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 @contextlib.contextmanager

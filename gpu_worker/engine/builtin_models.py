@@ -44,9 +44,17 @@ def cache_dir() -> Path:
     return Path(os.environ.get("TOKENFLEET_CACHE_DIR", Path.home() / ".cache" / "tokenfleet"))
 
 
+def _target(name: str) -> Path:
+    return cache_dir() / "models" / f"{name}-{FORMAT_VERSION}"
+
+
+def is_built(name: str) -> bool:
+    return (_target(name) / "config.json").is_file()
+
+
 def ensure_builtin(name: str) -> Path:
-    target = cache_dir() / "models" / f"{name}-{FORMAT_VERSION}"
-    if (target / "config.json").is_file():
+    target = _target(name)
+    if is_built(name):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))

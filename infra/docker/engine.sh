@@ -8,9 +8,9 @@ set -euo pipefail
 if docker info >/dev/null 2>&1; then
     exit 0
 fi
-if [ "$(id -u)" != 0 ]; then
-    echo "engine.sh: no Docker engine answers, and starting one needs root" >&2
-    exit 2
+if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then
+    echo "engine.sh: no Docker engine answers, and starting one needs root on a Debian host" >&2
+    exit 77  # cannot be done here (any other failure is one)
 fi
 export DEBIAN_FRONTEND=noninteractive
 
@@ -24,7 +24,7 @@ if ! docker compose version >/dev/null 2>&1 || ! docker buildx version >/dev/nul
     # trixie's index in a private apt state: the host's own sources and package lists stay as they are
     work=$(mktemp -d)
     trap 'rm -rf "$work"' EXIT
-    mirror=$(sed -n 's/^URIs: *//p' /etc/apt/sources.list.d/debian.sources 2>/dev/null | head -1)
+    mirror=$(sed -n 's/^URIs: *//p' /etc/apt/sources.list.d/debian.sources 2>/dev/null | head -1 || true)
     mirror=${mirror:-http://deb.debian.org/debian}
     mkdir -p "$work/lists/partial" "$work/archives/partial" "$work/parts"
     printf 'Types: deb\nURIs: %s\nSuites: trixie\nComponents: main\nSigned-By: %s\n' \
@@ -32,7 +32,7 @@ if ! docker compose version >/dev/null 2>&1 || ! docker buildx version >/dev/nul
     apt_trixie=(-q -o Dir::Etc::SourceList=/dev/null -o "Dir::Etc::SourceParts=$work/parts"
                 -o "Dir::State::Lists=$work/lists" -o "Dir::Cache::Archives=$work/archives")
     apt-get "${apt_trixie[@]}" update >/dev/null
-    (cd "$work" && apt-get "${apt_trixie[@]}" download docker-compose docker-buildx >/dev/null 2>&1)
+    (cd "$work" && apt-get "${apt_trixie[@]}" download docker-compose docker-buildx >/dev/null)
     for deb in "$work"/*.deb; do
         dpkg-deb -x "$deb" "$work/root"
     done
@@ -41,7 +41,8 @@ if ! docker compose version >/dev/null 2>&1 || ! docker buildx version >/dev/nul
 fi
 
 if ! pgrep -x dockerd >/dev/null; then
-    nohup dockerd >/var/log/dockerd.log 2>&1 &
+    # its own session, out of the caller's (a test run's TMPDIR is deleted when the run ends; dockerd outlives it)
+    env -u TMPDIR setsid nohup dockerd >/var/log/dockerd.log 2>&1 < /dev/null &
 fi
 for _ in $(seq 120); do
     docker info >/dev/null 2>&1 && exit 0

@@ -62,16 +62,20 @@ def record(engine: Engine, rows: list[dict]) -> list[str]:
         return list(connection.execute(statement, rows).scalars())
 
 
-def cut(engine: Engine, request_ids: list[str]) -> set[str]:
-    """Rows whose client did not get the response whole (`p.DeliveryCut`) say `cancelled`, and missed their SLA;
-    returns the request ids that have a row (the others' events are not recorded yet)."""
+def cut(engine: Engine, request_ids: list[str]) -> tuple[set[str], list[dict]]:
+    """Rows whose client did not get the response whole (`p.DeliveryCut`) say `cancelled`, and missed their SLA.
+    Returns the request ids that have a row (the others' events are not recorded yet), and the rows turned from
+    ok (model, SLA class, and whether they had met it) for the counters."""
     if not request_ids:
-        return set()
+        return set(), []
+    ours = LedgerRow.request_id.in_(request_ids)
     with engine.begin() as connection:
-        (connection.execute(update(LedgerRow).where(LedgerRow.request_id.in_(request_ids), LedgerRow.status == "ok")
-                            .values(status="cancelled", sla_met=False)))
-        return set(connection.execute(select(LedgerRow.request_id)
-                                      .where(LedgerRow.request_id.in_(request_ids))).scalars())
+        was_ok = [row._asdict() for row in connection.execute(
+            select(LedgerRow.model, LedgerRow.sla_class, LedgerRow.sla_met).where(ours, LedgerRow.status == "ok")
+            .with_for_update())]
+        connection.execute(update(LedgerRow).where(ours, LedgerRow.status == "ok").values(status="cancelled",
+                                                                                          sla_met=False))
+        return set(connection.execute(select(LedgerRow.request_id).where(ours)).scalars()), was_ok
 
 
 def _money(usd: float) -> Decimal:

@@ -1,6 +1,8 @@
 """The ledger's Prometheus counters, counted as rows are first written (a replayed event counts nothing):
 cost by model (list and measured), tasks by status, tasks meeting their SLA (goodput is its rate), output
-tokens (cost per 1 M output tokens is a ratio of two rates). Served at the finance API's /metrics."""
+tokens (cost per 1 M output tokens is a ratio of two rates); and the rows a delivery cut turned from ok to
+cancelled after they were counted (`p.DeliveryCut`: subtract them from the ok tasks and the SLA-met ones).
+Served at the finance API's /metrics."""
 
 from __future__ import annotations
 
@@ -18,6 +20,9 @@ class LedgerMetrics:
                                ["model", "sla_class"], registry=self.registry)
         self.output_tokens = Counter("tokenfleet:output_tokens", "Completion tokens of recorded tasks", ["model"],
                                      registry=self.registry)
+        self.delivery_cuts = Counter("tokenfleet:delivery_cuts", "Tasks counted ok whose client did not get the "
+                                     "whole response: their rows say cancelled", ["model", "sla_class", "sla_met"],
+                                     registry=self.registry)
 
     def count(self, row: dict) -> None:
         model = row["model"]
@@ -27,3 +32,7 @@ class LedgerMetrics:
         if row["sla_met"]:
             self.sla_met.labels(model, row["sla_class"]).inc()
         self.output_tokens.labels(model).inc(row["completion_tokens"])
+
+    def cut(self, row: dict) -> None:
+        """A row turned from ok to cancelled (its model, SLA class, and whether it had counted as SLA met)."""
+        self.delivery_cuts.labels(row["model"], row["sla_class"], str(bool(row["sla_met"])).lower()).inc()

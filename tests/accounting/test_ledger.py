@@ -16,6 +16,7 @@ from services import protocol as p
 from services import streams
 from services.accounting import ledger
 from services.accounting.consumer import ACCOUNTING_GROUP, LedgerConsumer, no_settlement
+from services.accounting.metrics import LedgerMetrics
 from services.accounting.models import Base, LedgerRow
 from services.accounting.prices import PriceTable
 from services.accounting.sla import SlaPolicy
@@ -92,7 +93,7 @@ def test_a_response_cache_hit_is_priced_at_the_cached_input_price_with_no_measur
 
 
 def _consumer_run(ledger_engine, entries: list[p.Message], dead_reader_takes: int = 0, settle=no_settlement,
-                  replay: bool = False) -> int:
+                  replay: bool = False, metrics: LedgerMetrics | None = None) -> int:
     """`entries` on a fresh events stream; a consumer that dies after reading the first `dead_reader_takes`, then
     a survivor reading the rest and, in two janitor ticks, taking over the dead one's (`replay`: the second tick
     writes the first one's batch again, as if the survivor had crashed after its commit). Returns what is left
@@ -108,7 +109,7 @@ def _consumer_run(ledger_engine, entries: list[p.Message], dead_reader_takes: in
                 await redis.xadd(p.EVENTS_STREAM, entry.encode())
             if dead_reader_takes:
                 await streams.read_new(redis, p.EVENTS_STREAM, ACCOUNTING_GROUP, "a", dead_reader_takes, None)
-            survivor = LedgerConsumer(redis, ledger_engine, PRICES, SLA, "b", settings, settle)
+            survivor = LedgerConsumer(redis, ledger_engine, PRICES, SLA, "b", settings, settle, metrics)
             await survivor.write(await streams.read_new(redis, p.EVENTS_STREAM, ACCOUNTING_GROUP, "b", 10, None))
             claimer = streams.StaleClaimer(redis, p.EVENTS_STREAM, ACCOUNTING_GROUP, "b", settings)
             claimed = await claimer.claim(10)
@@ -166,11 +167,14 @@ def test_a_row_the_database_refuses_is_dead_lettered_and_the_others_are_recorded
 
 
 def test_a_delivery_cut_turns_its_finished_tasks_row_cancelled(ledger_engine):
-    finished, other = _event(), _event()
-    pending = _consumer_run(ledger_engine, [finished, other, p.DeliveryCut(request_id=finished.request_id)])
+    finished, other, metrics = _event(), _event(), LedgerMetrics()
+    pending = _consumer_run(ledger_engine, [finished, other, p.DeliveryCut(request_id=finished.request_id)],
+                            metrics=metrics)
     assert {r.request_id: (r.status, r.sla_met) for r in _rows(ledger_engine)} == {
         finished.request_id: ("cancelled", False), other.request_id: ("ok", True)}
     assert pending == 0
+    assert metrics.registry.get_sample_value("tokenfleet:delivery_cuts_total", {
+        "model": "tokenfleet-large", "sla_class": "interactive", "sla_met": "true"}) == 1
 
 
 def test_a_delivery_cut_leaves_a_failed_tasks_status_as_it_was(ledger_engine):

@@ -21,6 +21,7 @@ from tests.services.conftest import _free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "tokenfleet-small"
+PROJECT_PREFIX = "tokenfleet-e2e-"
 SERVICES = ["gateway", "router", "worker-small", "accounting"]  # and what they depend on: redis, postgres, migrate
 
 
@@ -35,7 +36,7 @@ class Compose:
         self.env, self.key = env, env["TOKENFLEET_GATEWAY_DEV_KEY"]
         self.gateway = f"http://127.0.0.1:{env['TOKENFLEET_GATEWAY_HOST_PORT']}"
         self.finance = f"http://127.0.0.1:{env['TOKENFLEET_FINANCE_HOST_PORT']}"
-        self.command = ["docker", "compose", "-p", f"tokenfleet-e2e-{secrets.token_hex(3)}",
+        self.command = ["docker", "compose", "-p", f"{PROJECT_PREFIX}{secrets.token_hex(3)}", "--env-file", os.devnull,
                         "-f", "docker-compose.yml", "-f", "docker-compose.cpu.yml"]
 
     def __call__(self, *args: str, timeout_s: float = 300) -> str:
@@ -51,6 +52,7 @@ class Compose:
 def compose():
     if reason := containers.docker_unavailable():  # else an engine answers, and the base images are built
         pytest.skip(reason)
+    _remove_stale_stacks()
     stack = Compose({
         **os.environ, "REDIS_PASSWORD": secrets.token_hex(12), "POSTGRES_PASSWORD": secrets.token_hex(12),
         "TOKENFLEET_BASE_IMAGE": "tokenfleet-base:bookworm", "TOKENFLEET_REDIS_IMAGE": "tokenfleet-redis:bookworm",
@@ -67,7 +69,16 @@ def compose():
     finally:
         logs = _run(*stack.command, "logs", "--no-color", "--tail", "60", timeout_s=60, env=stack.env)
         print(logs.stdout[-20000:])  # shown when a test failed
-        stack("down", "-v", "--timeout", "20", timeout_s=300)
+        down = _run(*stack.command, "down", "-v", "--timeout", "20", timeout_s=300, env=stack.env)
+        print(down.stdout, down.stderr)
+
+
+def _remove_stale_stacks() -> None:
+    """Stacks of an earlier run that was killed before its `down` (they restart with dockerd: unless-stopped)."""
+    listed = _run("docker", "compose", "ls", "-a", "--format", "json", timeout_s=60)
+    for project in json.loads(listed.stdout or "[]"):
+        if project["Name"].startswith(PROJECT_PREFIX):
+            _run("docker", "compose", "-p", project["Name"], "down", "-v", "--timeout", "5", timeout_s=300)
 
 
 def test_a_chat_through_the_composed_stack_is_answered_and_ledgered(compose):

@@ -249,25 +249,57 @@ def test_a_cancel_at_any_moment_of_a_finish_leaves_exactly_one_completion_event(
     assert asyncio.run(scenario()) == [(1, 0)] * 12
 
 
-def test_a_gateway_cancel_racing_a_workers_finish_leaves_the_ledger_saying_cancelled(redis_url):
-    """The gateway cancels a request its client no longer follows (it left, or a Redis outage outlasted the
-    gateway's wait) just as the worker finishes it: whichever lands first, the events leave the ledger saying
-    `cancelled` (an unfinished request's event, or the finished one's followed by a DeliveryCut), never `ok`."""
+def _ledger_status(events: list[p.CompletionEvent | p.DeliveryCut]) -> str:
+    """What the accounting service makes of a request's events: its first completion event's status, `cancelled`
+    when a DeliveryCut follows an `ok` one."""
+    status = events[0].status if isinstance(events[0], p.CompletionEvent) else "a cut before any event"
+    return "cancelled" if status == "ok" and isinstance(events[-1], p.DeliveryCut) else status
+
+
+def _cancel(request: _Finishing) -> asyncio.Future:
     from gateway.relay import Relay
     from services.settings import GatewaySettings
 
+    relay = Relay(request.redis, None, None, GatewaySettings(), StreamSettings())
+    return asyncio.ensure_future(relay.cancel(request.request.request_id))
+
+
+def test_a_finish_after_the_gateways_cancel_writes_no_reply_and_ends_the_request_cancelled(redis_url):
+    async def scenario():
+        request = await _Finishing.start(redis_url)
+        await _cancel(request)
+        await request.finish()
+        replies_ = [c.kind for _, c in await replies.reply_history(request.redis, request.request.request_id)]
+        return replies_, await request.events(), await request.close()
+
+    replies_, events, pending = asyncio.run(scenario())
+    assert replies_ == ["error"] and pending == 0  # the gateway's error chunk, and no "finished" after it
+    assert [(type(e).__name__, e.status) for e in events] == [("CompletionEvent", "cancelled")]
+
+
+def test_a_cancel_after_the_finish_cuts_the_delivery(redis_url):
+    async def scenario():
+        request = await _Finishing.start(redis_url)
+        await request.finish()
+        await _cancel(request)
+        return await request.events(), await request.close()
+
+    events, pending = asyncio.run(scenario())
+    assert [type(e).__name__ for e in events] == ["CompletionEvent", "DeliveryCut"] and events[0].status == "ok"
+    assert _ledger_status(events) == "cancelled" and pending == 0
+
+
+def test_a_cancel_racing_a_finish_leaves_one_event_and_the_ledger_saying_cancelled(redis_url):
+    """The gateway cancels a request its client no longer follows (it left, or a Redis outage outlasted the
+    gateway's wait) just as the worker finishes it, at every interleaving of the two."""
     async def one(cancel_after: int) -> tuple[str, int, int]:
         request = await _Finishing.start(redis_url)
-        relay = Relay(request.redis, None, None, GatewaySettings(), StreamSettings())
         finish = request.finish()
         for _ in range(cancel_after):
             await asyncio.sleep(0)
-        await asyncio.gather(finish, relay.cancel(request.request.request_id))
-        mine = await request.events()
-        status = mine[0].status if isinstance(mine[0], p.CompletionEvent) else "a cut before any event"
-        if status == "ok" and isinstance(mine[-1], p.DeliveryCut):  # the ledger's reading of the two
-            status = "cancelled"
-        return status, sum(isinstance(e, p.CompletionEvent) for e in mine), await request.close()
+        await asyncio.gather(finish, _cancel(request))
+        events = await request.events()
+        return _ledger_status(events), sum(isinstance(e, p.CompletionEvent) for e in events), await request.close()
 
     async def scenario():
         return [await one(n) for n in range(12)]

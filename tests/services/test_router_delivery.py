@@ -109,18 +109,48 @@ def test_a_slow_request_does_not_hold_up_the_requests_behind_it(fresh_redis_url)
     assert late[-1] == slow.request_id and len(late) == 6
 
 
-def test_a_cache_hit_is_answered_once_even_if_two_routers_hold_the_request(fresh_redis_url):
-    request = _request("cached")
+COMPLETION = p.CachedCompletion(model="m", usage=p.Usage(prompt_tokens=3, completion_tokens=2),
+                                choices=[p.CachedChoice(text="hi!", token_ids=[1, 2], finish_reason="length")])
+
+
+def _cache_hit(request: p.GenerateRequest) -> p.GenerateRequest:
     request.routing = p.RoutingDecision(model="m", reason="named by the request", decided_at=0.0, cache="exact")
-    completion = p.CachedCompletion(model="m", usage=p.Usage(prompt_tokens=3, completion_tokens=2),
-                                    choices=[p.CachedChoice(text="hi!", token_ids=[1, 2], finish_reason="length")])
+    return request
+
+
+async def _held_by_a_router(redis, request: p.GenerateRequest) -> str:
+    """The request's entry, read by router-a (and not yet acknowledged)."""
+    await streams.ensure_group(redis, p.REQUESTS_STREAM, p.ROUTER_GROUP)
+    entry_id = await redis.xadd(p.REQUESTS_STREAM, request.encode())
+    await streams.read_new(redis, p.REQUESTS_STREAM, p.ROUTER_GROUP, "router-a", 1, None)
+    return entry_id
+
+
+def test_a_cache_hit_for_a_cancelled_request_is_not_answered(fresh_redis_url):
+    """Its client left while it queued: the router leaves it to a worker, which ends it cancelled."""
+    request = _cache_hit(_request("cancelled while queued"))
 
     async def scenario():
         redis = connect(fresh_redis_url)
-        await streams.ensure_group(redis, p.REQUESTS_STREAM, p.ROUTER_GROUP)
-        entry_id = await redis.xadd(p.REQUESTS_STREAM, request.encode())
-        await streams.read_new(redis, p.REQUESTS_STREAM, p.ROUTER_GROUP, "router-a", 1, None)
-        answered = [await answer_from_cache(redis, entry_id, request, CacheLookup("exact", completion),
+        entry_id = await _held_by_a_router(redis, request)
+        await redis.set(p.cancel_key(request.request_id), 1)
+        answered = await answer_from_cache(redis, entry_id, request, CacheLookup("exact", COMPLETION),
+                                           StreamSettings())
+        replies, events = await redis.xlen(p.reply_stream(request.request_id)), await redis.xlen(p.EVENTS_STREAM)
+        pending = (await redis.xpending(p.REQUESTS_STREAM, p.ROUTER_GROUP))["pending"]
+        await redis.aclose()
+        return answered, replies, events, pending
+
+    assert asyncio.run(scenario()) == (streams.Outcome.VETOED, 0, 0, 1)  # still the router's, to forward
+
+
+def test_a_cache_hit_is_answered_once_even_if_two_routers_hold_the_request(fresh_redis_url):
+    request = _cache_hit(_request("cached"))
+
+    async def scenario():
+        redis = connect(fresh_redis_url)
+        entry_id = await _held_by_a_router(redis, request)
+        answered = [await answer_from_cache(redis, entry_id, request, CacheLookup("exact", COMPLETION),
                                             StreamSettings()) for _ in ("router-a", "router-b")]
         replies = [p.decode(p.ReplyChunk, f) for _, f in await redis.xrange(p.reply_stream(request.request_id))]
         events = await redis.xlen(p.EVENTS_STREAM)
@@ -128,7 +158,7 @@ def test_a_cache_hit_is_answered_once_even_if_two_routers_hold_the_request(fresh
         return answered, replies, events
 
     answered, replies, events = asyncio.run(scenario())
-    assert answered == [True, False] and events == 1
+    assert answered == [streams.Outcome.ADDED, streams.Outcome.ACKNOWLEDGED_BEFORE] and events == 1
     assert [c.kind for c in replies] == ["started", "delta", "finished"] and replies[1].text == "hi!"
     assert replies[0].cache == replies[2].cache == "exact"
 

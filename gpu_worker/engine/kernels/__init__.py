@@ -44,15 +44,19 @@ QUANT_VNNI_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"})
 QUANT_AMX_FLAGS = frozenset({"amx_tile", "amx_bf16", "avx512_bf16", "avx512bw", "avx512vl"})
 
 
-def _build(name: str, sources: list[str], cflags: list[str]):
-    from torch.utils.cpp_extension import load
-
+def _build_dir() -> Path:
     from ..builtin_models import cache_dir
 
     # A folder per checkout: torch rebuilds a module whose source path changed, and two checkouts sharing one
     # folder (a CI clone beside a working tree) deleted each other's .so while the other was loading it.
     here = Path(__file__).parent
-    build = cache_dir() / "kernels" / f"torch-{torch.__version__}" / hashlib.sha1(str(here).encode()).hexdigest()[:12]
+    return cache_dir() / "kernels" / f"torch-{torch.__version__}" / hashlib.sha1(str(here).encode()).hexdigest()[:12]
+
+
+def _build(name: str, sources: list[str], cflags: list[str]):
+    from torch.utils.cpp_extension import load
+
+    here, build = Path(__file__).parent, _build_dir()
     build.mkdir(parents=True, exist_ok=True)
     try:
         return load(name=name, sources=[str(here / source) for source in sources], build_directory=str(build),
@@ -62,13 +66,24 @@ def _build(name: str, sources: list[str], cflags: list[str]):
         return None
 
 
+CPU_KERNELS = "tokenfleet_cpu_kernels"
+
+
+def cpu_kernels_built() -> bool:
+    """Whether `cpu_kernels` has a module built (from sources no newer than it) to load at once."""
+    built = _build_dir() / f"{CPU_KERNELS}.so"
+    here = Path(__file__).parent
+    return built.is_file() and all(built.stat().st_mtime >= (here / source).stat().st_mtime
+                                   for source in ("cpu_kernels.cpp", "cpu_attention_kernels.cpp", "cpu_kernels.h"))
+
+
 @functools.cache
 def cpu_kernels():
     """`cpu_kernels.cpp` + `cpu_attention_kernels.cpp` (bf16 element-wise ops, GEMV, paged attention over bf16
     and int8 caches) as one module, or None (it needs AVX512-BF16)."""
     if not cpu_has_avx512_bf16():
         return None
-    return _build("tokenfleet_cpu_kernels", ["cpu_kernels.cpp", "cpu_attention_kernels.cpp"],
+    return _build(CPU_KERNELS, ["cpu_kernels.cpp", "cpu_attention_kernels.cpp"],
                   ["-mavx512f", "-mavx512bf16"])
 
 

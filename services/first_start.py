@@ -1,0 +1,52 @@
+"""What a worker's first start spends minutes on, done by `tokenfleet up` before it starts the workers, with the
+console told how long it has been: built-in checkpoints written, the CPU kernels compiled. Both land in the cache
+directory, where the workers then find them ready (a silent minute looked like a hang)."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import TextIO
+
+from services.settings import WorkerSettings
+
+
+@contextlib.contextmanager
+def elapsed(what: str, out: TextIO = sys.stdout, every_s: float = 1.0) -> Iterator[None]:
+    """`tokenfleet: <what> … 12 s`, redrawn in place each second on a terminal (a line every 10 s elsewhere, a log
+    file not being a screen), then the total."""
+    started, done = time.monotonic(), threading.Event()
+    tty = out.isatty()
+
+    def tick() -> None:
+        while not done.wait(every_s if tty else 10 * every_s):
+            line = f"tokenfleet: {what} … {time.monotonic() - started:.0f} s"
+            out.write(f"\r{line}" if tty else f"{line}\n")
+            out.flush()
+
+    ticker = threading.Thread(target=tick, daemon=True)
+    ticker.start()
+    try:
+        yield
+    finally:
+        done.set()
+        ticker.join()
+        out.write(f"{chr(13) if tty else ''}tokenfleet: {what}: done in {time.monotonic() - started:.0f} s\n")
+        out.flush()
+
+
+def prepare(models: list[str], settings: WorkerSettings, out: TextIO = sys.stdout) -> None:
+    from gpu_worker.engine import kernels
+    from gpu_worker.engine.builtin_models import BUILTIN_MODELS, ensure_builtin, is_built
+
+    for model in models:
+        if model in BUILTIN_MODELS and not is_built(model):
+            with elapsed(f"writing the {model} checkpoint (once)", out):
+                ensure_builtin(model)
+    # What a CPU worker serving bfloat16 loads (the default on CPUs that have AVX512-BF16).
+    if settings.device == "cpu" and kernels.cpu_has_avx512_bf16() and not kernels.cpu_kernels_built():
+        with elapsed("compiling the CPU kernels (once per install)", out):
+            kernels.cpu_kernels()

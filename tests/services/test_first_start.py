@@ -1,0 +1,32 @@
+"""`tokenfleet up` does a worker's slow first-start work itself, telling the console how long it has been."""
+
+from __future__ import annotations
+
+import io
+import time
+
+from services import first_start
+from services.settings import WorkerSettings
+
+
+def test_a_slow_step_shows_how_long_it_has_run_and_then_its_total():
+    out = io.StringIO()  # not a terminal: a line per tick rather than one line redrawn
+    with first_start.elapsed("compiling", out, every_s=0.05):
+        time.sleep(1.2)
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith("tokenfleet: compiling … ") and lines[-1] == "tokenfleet: compiling: done in 1 s"
+    assert 1 <= len(lines) - 1 <= 3  # a tick every 10 x every_s off a terminal
+
+
+def test_a_built_in_checkpoint_is_written_before_the_workers_start_and_only_once(tmp_path, monkeypatch):
+    from gpu_worker.engine.builtin_models import is_built
+
+    monkeypatch.setenv("TOKENFLEET_CACHE_DIR", str(tmp_path))
+    gpu = WorkerSettings(device="cuda")  # no CPU kernels to compile: this test is about the checkpoint
+    first, again = io.StringIO(), io.StringIO()
+    first_start.prepare(["tokenfleet-small", "smollm2-135m-instruct"], gpu, first)
+    assert is_built("tokenfleet-small")
+    said = first.getvalue().splitlines()
+    assert said[-1].startswith("tokenfleet: writing the tokenfleet-small checkpoint (once): done in ")
+    first_start.prepare(["tokenfleet-small"], gpu, again)
+    assert again.getvalue() == ""
