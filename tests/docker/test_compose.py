@@ -59,7 +59,8 @@ def compose():
         "TOKENFLEET_POSTGRES_IMAGE": "tokenfleet-postgres:bookworm",
         "TOKENFLEET_GATEWAY_DEV_KEY": f"tf-e2e-{secrets.token_hex(8)}",
         "TOKENFLEET_GATEWAY_HOST_PORT": str(_free_port()), "TOKENFLEET_FINANCE_HOST_PORT": str(_free_port()),
-        "TOKENFLEET_WORKER_CPUS": "1",
+        # float32 runs the torch path: no CPU kernels compiled in each fresh container (a minute of the suite)
+        "TOKENFLEET_WORKER_CPUS": "1", "TOKENFLEET_WORKER_DTYPE": "float32",
         "TOKENFLEET_OTLP_ENDPOINT": ""})  # traces off: no collector image can be had here
     try:
         stack("build", "migrate", timeout_s=1200)  # one image for every tokenfleet service
