@@ -277,8 +277,7 @@ class Worker:
         """The final chunks, the completion event and the acknowledgement, all or none, unless the request was
         cancelled first (its client told it ended unfinished): then it ends as cancelled."""
         rid = request.request_id
-        additions = [streams.Addition(p.reply_stream(rid), chunk, ttl_s=self.streams.reply_ttl_s) for chunk in chunks]
-        additions.append(streams.Addition(p.EVENTS_STREAM, event))  # never trimmed by length: `streams.add_event`
+        additions = streams.final_replies(rid, chunks, event, self.streams)
         outcome = await self.replies.finish(rid, lambda: streams.ack_then_add(
             self.redis, delivery.stream, p.WORKER_GROUP, delivery.entry_id, additions, veto=p.cancel_key(rid)))
         if outcome is streams.Outcome.VETOED:

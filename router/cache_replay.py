@@ -34,8 +34,7 @@ async def answer_from_cache(redis: aioredis.Redis, entry_id: str, request: p.Gen
                               user=request.user, finish_reasons=[c.finish_reason for c in completion.choices],
                               usage=usage, timing=timing, routing=request.routing, sla_class=request.sla_class,
                               enqueued_at=request.enqueued_at, traceparent=request.traceparent)
-    additions = [streams.Addition(p.reply_stream(rid), chunk, ttl_s=settings.reply_ttl_s) for chunk in chunks]
-    additions.append(streams.Addition(p.EVENTS_STREAM, event))  # never trimmed by length: `streams.add_event`
+    additions = streams.final_replies(rid, chunks, event, settings)
     # Vetoed by a cancel (its client left while it queued): then it goes on to a worker, which ends it cancelled.
     return await streams.ack_then_add(redis, p.REQUESTS_STREAM, p.ROUTER_GROUP, entry_id, additions,
                                       veto=p.cancel_key(rid))

@@ -141,6 +141,14 @@ class Addition:
     ttl_s: int = 0  # expire the stream after this write; 0: never
 
 
+def final_replies(request_id: str, chunks: list[p.ReplyChunk], event: p.CompletionEvent,
+                  settings: StreamSettings) -> list[Addition]:
+    """A request's last reply chunks and its completion event, as `ack_then_add` writes them in one step."""
+    additions = [Addition(p.reply_stream(request_id), chunk, ttl_s=settings.reply_ttl_s) for chunk in chunks]
+    additions.append(Addition(p.EVENTS_STREAM, event))  # never trimmed by length: see `add_event`
+    return additions
+
+
 async def ack_then_add(redis: aioredis.Redis, source: str, group: str, entry_id: str, additions: list[Addition],
                        registry: tuple[str, str] | None = None, veto: str | None = None) -> Outcome:
     """Acknowledge `entry_id` and make the additions, atomically and once, unless the key `veto` exists.
@@ -264,7 +272,7 @@ async def dead_letter_exhausted(redis: aioredis.Redis, group: str, claimed: list
     return fresh
 
 
-def add_event(pipe, event: p.CompletionEvent | p.DeliveryCut) -> None:
+def add_event(pipe, event: p.CompletionEvent) -> None:
     """Never trimmed by length: the accounting service trims what it has recorded (`trim_acknowledged`), so
     events pile up rather than vanish while it is down, and admission refuses work past a backlog bound."""
     pipe.xadd(p.EVENTS_STREAM, event.encode())

@@ -128,6 +128,8 @@ class LedgerConsumer:
         """Applies the delivery cuts (entry id -> request id, deliveries); returns the entries to leave pending.
         A cut follows its request's event on the stream, so its row is normally there; one read before it (the
         event's consumer died, and the janitor has yet to take it over) is left for the janitor to offer again."""
+        if not cuts:  # most batches: no thread hop, no transaction
+            return set()
         recorded, turned = await asyncio.to_thread(ledger.cut, self.engine, [rid for rid, _ in cuts.values()])
         for row in turned:
             self.metrics.cut(row)
