@@ -28,6 +28,7 @@ async def serve(settings: WorkerSettings, redis_url: str) -> None:
     engine = LLMEngine(EngineConfig(model=settings.model, dtype=settings.dtype, device=settings.device,
                                     quantization=settings.quantization, kv_cache_dtype=settings.kv_cache_dtype,
                                     speculative=settings.speculative, deterministic=settings.deterministic,
+                                    enforce_eager=settings.enforce_eager,
                                     max_num_seqs=settings.max_num_seqs,
                                     max_num_batched_tokens=settings.max_num_batched_tokens,
                                     kv_cache_memory_bytes=settings.kv_cache_memory_bytes))

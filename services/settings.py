@@ -135,6 +135,7 @@ class WorkerSettings(BaseSettings):
     # Speculative decoding, vLLM's speculative_config as JSON: {"method": "ngram", "num_speculative_tokens": 4}
     speculative: dict | None = None
     deterministic: bool = False  # batch-invariant: a request's tokens do not depend on what shares its batch
+    enforce_eager: bool = False  # CUDA graphs off (CUDA captures them for decode steps at start-up)
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     kv_cache_memory_bytes: int | None = None

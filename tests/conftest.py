@@ -17,8 +17,8 @@ import torch
 
 from tests import containers
 
-# bench/gpu_check.sh runs the exactness tests on CUDA with TOKENFLEET_TEST_DEVICE=cuda.
-DEVICE = os.environ.get("TOKENFLEET_TEST_DEVICE", "cpu")
+# The exactness tests run on CUDA wherever there is a GPU (TOKENFLEET_TEST_DEVICE=cpu keeps them on CPU).
+DEVICE = os.environ.get("TOKENFLEET_TEST_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
 
 # Keep tests on one thread each: the suite must fit 2 cores, and determinism is easier to reason about.
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
@@ -35,6 +35,18 @@ ARCHITECTURES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
 }
+
+
+@pytest.fixture(autouse=True)
+def _cuda_memory_returned():
+    """On CUDA, a test's engines give their memory back before the next test sizes its KV cache from what is free
+    (engines hold reference cycles, and the caching allocator keeps what it freed)."""
+    yield
+    if torch.cuda.is_available():
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from . import ops
-from .host_memory import zeros_streamed
+from .host_memory import to_device, zeros_streamed
 from .kv_cache_manager import cdiv
 
 
@@ -24,16 +24,35 @@ class PrefillChunk:
     query_len: int
     context_len: int  # tokens in the sequence after this chunk, the chunk included
     block_table: torch.Tensor  # [num_blocks] int64
-    mask: torch.Tensor | None  # [query_len, context_len]; None when nothing is cached before the chunk
+
+    @functools.cached_property
+    def mask(self) -> torch.Tensor | None:
+        """[query_len, context_len], causal aligned to the bottom right (row i sees the cache and 0..i); None when
+        nothing is cached before the chunk. Built only where the torch path attends."""
+        if self.context_len == self.query_len:
+            return None
+        device = self.block_table.device
+        rows = torch.arange(self.query_len, device=device)[:, None] + (self.context_len - self.query_len)
+        return torch.arange(self.context_len, device=device)[None, :] <= rows
+
+
+@dataclass
+class PrefillBatch:
+    """A step's prefill chunks as the varlen kernels take them: one entry per chunk."""
+
+    query_starts: torch.Tensor  # [C] each chunk's first row in the step
+    query_lens: torch.Tensor  # [C]
+    context_lens: torch.Tensor  # [C]
+    block_tables: torch.Tensor  # [C, max_blocks], zero-padded
+    max_query_len: int
 
     @classmethod
-    def build(cls, query_start: int, query_len: int, context_len: int, block_table: torch.Tensor) -> PrefillChunk:
-        mask = None
-        if context_len != query_len:  # causal, aligned to the bottom right: row i sees the cache and 0..i
-            device = block_table.device
-            rows = torch.arange(query_len, device=device)[:, None] + (context_len - query_len)
-            mask = torch.arange(context_len, device=device)[None, :] <= rows
-        return cls(query_start, query_len, context_len, block_table, mask)
+    def of(cls, chunks: list[PrefillChunk]) -> PrefillBatch:
+        device = chunks[0].block_table.device
+        columns = [[c.query_start for c in chunks], [c.query_len for c in chunks], [c.context_len for c in chunks]]
+        starts, lens, contexts = to_device(columns, torch.long, device)
+        tables = torch.nn.utils.rnn.pad_sequence([c.block_table for c in chunks], batch_first=True)
+        return cls(starts, lens, contexts, tables, max(c.query_len for c in chunks))
 
 
 @dataclass
@@ -83,6 +102,11 @@ class AttentionMetadata:
         return len(self.decode_context_list)
 
     @functools.cached_property
+    def prefill_batch(self) -> PrefillBatch:
+        """The prefill chunks for the varlen kernels; built on first use, once per step."""
+        return PrefillBatch.of(self.prefills)
+
+    @functools.cached_property
     def decode_groups(self) -> list[DecodeGroup]:
         """The decode rows split by length for the torch path; built on first use, once per step."""
         lens = self.decode_context_list
@@ -114,6 +138,9 @@ class HeadLayout:
 
 
 class TorchPagedAttention:
+    # Whether a decode-only step reads only tensors of the metadata, none of its Python lists, so that a CUDA graph
+    # captured once replays it for other contexts: not here, where decode rows are grouped by their lengths.
+    graph_safe = False
     # Whether a decode-only step attends each row on its own, in an order that does not depend on the other rows
     # (batch-invariant mode needs it): not here, where a group's rows attend over contexts padded to its longest.
     row_invariant_decode = False
@@ -203,6 +230,43 @@ class CpuPagedAttention(TorchPagedAttention):
         return self.kernels.paged_decode_attention_bf16(q.contiguous(), kv_cache[0], kv_cache[1],
                                                         meta.decode_block_tables, meta.decode_context_lens,
                                                         self.scale)
+
+
+class TritonPagedAttention(TorchPagedAttention):
+    """CUDA: rotary and the KV write in one kernel (`kernels/triton_ops.py`), decode and prefill attention straight
+    from the paged cache (`kernels/triton_paged_attention.py`), no context gathered. A decode-only step reads only
+    the metadata's tensors, so a CUDA graph can replay it."""
+
+    graph_safe = True
+
+    def __init__(self, heads: HeadLayout):
+        from .kernels import triton_ops
+
+        super().__init__(heads)
+        self.triton_ops = triton_ops
+
+    def __call__(self, qkv, cos, sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        h = self.heads
+        self.triton_ops.rotary_and_write_kv_(qkv, cos, sin, h.num_heads, h.num_kv_heads, h.head_dim, kv_cache,
+                                             meta.slot_blocks, meta.slot_offsets)
+        q = qkv[:, : h.num_heads * h.head_dim].view(-1, h.num_heads, h.head_dim)
+        return triton_attend(q, (kv_cache[0], kv_cache[1], None, None), meta, self.scale).view(qkv.shape[0], -1)
+
+
+def triton_attend(q: torch.Tensor, planes: tuple, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """The step's attention by the Triton kernels over a cache whose `planes` are (keys, values, key scales, value
+    scales), the scales None for a dense cache; this step's keys and values are in it already."""
+    from .kernels.triton_paged_attention import paged_decode, paged_prefill
+
+    out = q.new_empty(q.shape)
+    if meta.num_decodes:
+        paged_decode(q[:meta.num_decodes], planes[0], planes[1], meta.decode_block_tables, meta.decode_context_lens,
+                     scale, planes[2], planes[3], out=out[:meta.num_decodes])
+    if meta.prefills:
+        batch = meta.prefill_batch
+        paged_prefill(q, planes[0], planes[1], batch.block_tables, batch.query_starts, batch.query_lens,
+                      batch.context_lens, batch.max_query_len, scale, planes[2], planes[3], out=out)
+    return out
 
 
 def decode_step_arguments(meta: AttentionMetadata, heads: HeadLayout) -> tuple:

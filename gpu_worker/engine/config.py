@@ -28,3 +28,5 @@ class EngineConfig:
     # Batch-invariant mode: a request's tokens do not depend on what else shares its steps (one per-row linear
     # kernel, every token attended on its own), at some cost in speed; dense bf16 weights on an AVX512-BF16 CPU.
     deterministic: bool = False
+    # CUDA graphs off: decode steps launch their kernels one by one, as on CPU (vLLM's enforce_eager).
+    enforce_eager: bool = False

@@ -1,4 +1,5 @@
-"""CPU memory for what every decode step streams (weights, the KV cache) on transparent huge pages.
+"""Host memory: on CPU, what every decode step streams (weights, the KV cache) on transparent huge pages; for
+CUDA, a step's inputs in pinned memory.
 
 With 4 KiB pages nearly every few kilobytes streamed cost a TLB miss: the CPU attention kernel ran 10-20% slower
 over a 4 KiB-page KV cache, and SmolLM2's batch-1 decode on a Zen 4 ran faster with its weights on huge pages
@@ -30,6 +31,14 @@ def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     except (OSError, AttributeError):  # not Linux: ordinary pages serve
         pass
     return raw[offset:offset + nbytes].view(dtype).view(shape)
+
+
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor of `values` on `device`. For CUDA through pinned memory with a non-blocking copy: a copy from
+    pageable memory would make the host wait for the GPU to finish its queued work, every step."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
 def zeros_streamed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

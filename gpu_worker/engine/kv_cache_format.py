@@ -17,9 +17,11 @@ from .attention import (
     CpuPagedAttention,
     HeadLayout,
     TorchPagedAttention,
+    TritonPagedAttention,
     _gather,
     allocate_kv_cache,
     decode_step_arguments,
+    triton_attend,
 )
 from .errors import ModelLoadError
 from .host_memory import zeros_streamed
@@ -46,11 +48,15 @@ class DenseKVFormat:
         return allocate_kv_cache(num_layers, num_blocks, block_size, num_kv_heads, head_dim, self.dtype, device)
 
     def install(self, model: Transformer, device: torch.device) -> None:
-        """The native CPU attention where it applies (bf16 on CPU), the torch reference elsewhere."""
+        """The native CPU attention where it applies (bf16 on CPU), Triton's on CUDA, the torch reference
+        elsewhere."""
         kernels = cpu_kernels() if device.type == "cpu" and self.dtype == torch.bfloat16 else None
-        if CpuPagedAttention.supports(kernels, self.dtype, device, model.config.head_dim):
-            for layer in model.layers:
-                layer.self_attn.attn = CpuPagedAttention(layer.self_attn.attn.heads, kernels)
+        for layer in model.layers:
+            heads = layer.self_attn.attn.heads
+            if CpuPagedAttention.supports(kernels, self.dtype, device, model.config.head_dim):
+                layer.self_attn.attn = CpuPagedAttention(heads, kernels)
+            elif device.type == "cuda" and triton_available():
+                layer.self_attn.attn = TritonPagedAttention(heads)
 
 
 @dataclass
@@ -126,18 +132,14 @@ class CpuInt8PagedAttention(ScaledPagedAttention):
 
 
 class TritonScaledPagedAttention(ScaledPagedAttention):
-    """Decode attention on CUDA by `kernels/triton_paged_attention.py`, reading the int8 / fp8 cache in place;
-    writes and prefill take the reference."""
+    """CUDA: decode and prefill attention by `kernels/triton_paged_attention.py`, reading the int8 / fp8 cache in
+    place; the write quantizes in torch."""
 
-    def __init__(self, heads: HeadLayout, quantize=quantize_per_row):
-        from .kernels.triton_paged_attention import paged_decode
+    graph_safe = True
 
-        super().__init__(heads, quantize)
-        self.paged_decode = paged_decode
-
-    def decode(self, q, kv_cache: ScaledKVCache, meta) -> torch.Tensor:
-        return self.paged_decode(q, kv_cache.data[0], kv_cache.data[1], meta.decode_block_tables,
-                            meta.decode_context_lens, self.scale, kv_cache.scale[0], kv_cache.scale[1])
+    def attend(self, q, k, v, kv_cache: ScaledKVCache, meta) -> torch.Tensor:
+        planes = (kv_cache.data[0], kv_cache.data[1], kv_cache.scale[0], kv_cache.scale[1])
+        return triton_attend(q, planes, meta, self.scale)
 
 
 class ScaledKVFormat:
@@ -167,7 +169,7 @@ class ScaledKVFormat:
             heads = layer.self_attn.attn.heads
             if self.name == "int8" and CpuPagedAttention.supports(kernels, self.dtype, device, head_dim):
                 layer.self_attn.attn = CpuInt8PagedAttention(heads, kernels)
-            elif device.type == "cuda" and triton_available() and head_dim & (head_dim - 1) == 0:
+            elif device.type == "cuda" and triton_available():
                 layer.self_attn.attn = TritonScaledPagedAttention(heads, self.quantize)
             else:
                 layer.self_attn.attn = ScaledPagedAttention(heads, self.quantize)

@@ -11,13 +11,15 @@ import torch
 
 from .checkpoint import Checkpoint, open_checkpoint
 from .config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from .cuda_graphs import DecodeGraphs
 from .detokenizer import IncrementalDetokenizer
 from .draft_proposer import DraftModelProposer
 from .errors import CONTEXT_LENGTH_EXCEEDED, InvalidRequestError, ModelLoadError
 from .kv_cache_format import kv_cache_format
-from .kv_cache_manager import KVCacheManager
+from .kv_cache_manager import KVCacheManager, cdiv
 from .linear import Linear
 from .loader import load_model
+from .memory_profile import kv_cache_budget
 from .model import Transformer
 from .model_config import ModelConfig, resolve_dtype, resolve_max_model_len
 from .model_runner import ModelRunner
@@ -78,12 +80,17 @@ class LLMEngine:
         model = load_model(checkpoint, self.dtype, self.device, quantizer, self.kv_format, config.deterministic)
         speculative = SpeculativeConfig.parse(config.speculative)
         draft = self._load_draft(speculative, checkpoint, model)
-        num_blocks = self._num_blocks(draft.config if speculative and speculative.method == "draft" else None)
+        graphs = self.device.type == "cuda" and not config.enforce_eager and all(
+            layer.self_attn.attn.graph_safe for layer in model.layers)
+        num_blocks = self._num_blocks(model, draft.config if speculative and speculative.method == "draft" else None,
+                                      config.max_num_seqs if graphs else 0)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         cfg = self.model_config
-        kv_caches = self.kv_format.allocate(cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads,
+        # With CUDA graphs, one block more than the pool hands out: the padding rows' (`cuda_graphs.py`).
+        kv_caches = self.kv_format.allocate(cfg.num_layers, num_blocks + graphs, config.block_size, cfg.num_kv_heads,
                                             cfg.head_dim, self.device)
-        self.runner = ModelRunner(model, kv_caches, config.block_size, self.device, config.deterministic)
+        self.runner = ModelRunner(model, kv_caches, config.block_size, self.device, config.deterministic,
+                                  self._decode_graphs(model, kv_caches, num_blocks) if graphs else None)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len), self.kv,
             self._proposer(speculative, draft),
@@ -135,19 +142,25 @@ class LLMEngine:
         return DraftModelProposer(config, ModelRunner(draft, caches, self.kv.block_size, self.device),
                                   shares_target_cache=False, max_catch_up_tokens=self.config.max_num_batched_tokens)
 
-    def _num_blocks(self, draft: ModelConfig | None) -> int:
+    def _decode_graphs(self, model: Transformer, kv_caches: list, padding_block: int) -> DecodeGraphs:
+        bs = self.config.block_size
+        graphs = DecodeGraphs(model, kv_caches, bs, self.config.max_num_seqs, cdiv(self.max_model_len, bs) + 1,
+                              padding_block, self.device)
+        graphs.capture_all()
+        return graphs
+
+    def _num_blocks(self, model: Transformer, draft: ModelConfig | None, graph_rows: int) -> int:
         """As many blocks as the budget holds, each with the target's keys and values (and a draft model's, when
-        it has a cache of its own over the same blocks)."""
+        it has a cache of its own over the same blocks). On CUDA the budget is what gpu_memory_utilization leaves
+        after the weights, a full step's activations (measured) and CUDA graphs."""
         per_block = sum(self.kv_format.bytes_per_block(cfg.num_layers, self.config.block_size, cfg.num_kv_heads,
                                                        cfg.head_dim) for cfg in (self.model_config, draft) if cfg)
         budget = self.config.kv_cache_memory_bytes
         if budget is None and self.device.type == "cuda":
-            torch.cuda.empty_cache()
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = int(free - total * (1 - self.config.gpu_memory_utilization))
-            if budget <= 0:
-                raise ValueError(f"gpu_memory_utilization {self.config.gpu_memory_utilization} leaves no memory "
-                                 "for the KV cache after the weights: raise it or set kv_cache_memory_bytes")
+            budget = kv_cache_budget(model, self.kv_format, self.config.block_size,
+                                     min(self.config.max_num_batched_tokens, self.max_model_len),
+                                     self.config.max_num_seqs, graph_rows, self.config.gpu_memory_utilization,
+                                     self.device)
         num_blocks = (DEFAULT_CPU_KV_CACHE_BYTES if budget is None else budget) // per_block
         if num_blocks * self.config.block_size < self.max_model_len:
             raise ValueError(

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 
 from .attention import AttentionMetadata, PrefillChunk
+from .cuda_graphs import DecodeGraphs, NoDecodeGraphs
+from .host_memory import to_device
 from .kv_cache_manager import cdiv
 from .model import Transformer
 from .prompt_logprobs import PromptLogprobs, prompt_logprobs
@@ -15,8 +17,9 @@ from .speculative import accepted_prefix
 
 class ModelRunner:
     def __init__(self, model: Transformer, kv_caches: list, block_size: int, device: torch.device,
-                 batch_invariant: bool = False):
+                 batch_invariant: bool = False, graphs: DecodeGraphs | NoDecodeGraphs | None = None):
         self.model = model
+        self.graphs = graphs or NoDecodeGraphs()
         self.device = device
         self.block_size = block_size
         self.kv_caches = kv_caches  # one per layer, as the engine's KVCacheFormat allocated them
@@ -34,7 +37,10 @@ class ModelRunner:
         # Decode tokens first, shortest context first: attended in groups; then prefill chunks one by one.
         chunks = sorted(out.chunks, key=lambda c: (not self.attends_by_row(c), c.start))
         input_ids, positions, meta = self.prepare(chunks)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if self.graphs.covers(meta):
+            hidden = self.graphs.run(input_ids, positions, meta)
+        else:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
         return self._sample(chunks, hidden), prompt_logprobs(self.model, chunks, hidden)
 
     def _sample(self, chunks: list[ScheduledChunk], hidden: torch.Tensor) -> dict[int, list[SampledToken]]:
@@ -46,7 +52,9 @@ class ModelRunner:
                 sampled_chunks.append(chunk)
         if not sampled_chunks:
             return {}
-        logits = self.model.logits(hidden[torch.tensor(sample_rows, device=self.device)])
+        if len(sample_rows) < len(hidden):  # else every row, in order: a decode step's
+            hidden = hidden[to_device(sample_rows, torch.long, self.device)]
+        logits = self.model.logits(hidden)
         rows = [(c, i) for c in sampled_chunks for i in range(len(c.guesses) + 1)]
         tokens = iter(self.sampler(logits, _sampling_batch(rows)))
         out = {}
@@ -68,24 +76,23 @@ class ModelRunner:
             pos.extend(range(c.start, c.start + c.num_tokens))
         blocks = [c.block_table[p // bs] for c in chunks for p in range(c.start, c.start + c.num_tokens)]
         dev = self.device
-        as_long = {"dtype": torch.long, "device": dev}
-        positions = torch.tensor(pos, **as_long)
+        positions = to_device(pos, torch.long, dev)
         # A chunk with guesses is decode rows too, one per token, each seeing the context up to itself: all of
         # the step's keys are written before attention reads them.
         context_lens = [c.start + 1 + i for c in decodes for i in range(c.num_tokens)]
-        meta = AttentionMetadata(torch.tensor(blocks, **as_long), positions % bs, bs, context_lens, None, None, [])
+        meta = AttentionMetadata(to_device(blocks, torch.long, dev), positions % bs, bs, context_lens, None, None, [])
         if decodes:
             width = max(len(c.block_table) for c in decodes)
-            meta.decode_block_tables = torch.tensor([c.block_table + [0] * (width - len(c.block_table))
-                                                     for c in decodes for _ in range(c.num_tokens)], **as_long)
-            meta.decode_context_lens = torch.tensor(context_lens, **as_long)
+            meta.decode_block_tables = to_device([c.block_table + [0] * (width - len(c.block_table))
+                                                  for c in decodes for _ in range(c.num_tokens)], torch.long, dev)
+            meta.decode_context_lens = to_device(context_lens, torch.long, dev)
         start = len(context_lens)
         for c in chunks[len(decodes):]:
             ctx = c.start + c.num_tokens
-            table = torch.tensor(c.block_table[: cdiv(ctx, bs)], **as_long)
-            meta.prefills.append(PrefillChunk.build(start, c.num_tokens, ctx, table))
+            table = to_device(c.block_table[: cdiv(ctx, bs)], torch.long, dev)
+            meta.prefills.append(PrefillChunk(start, c.num_tokens, ctx, table))
             start += c.num_tokens
-        return torch.tensor(ids, **as_long), positions, meta
+        return to_device(ids, torch.long, dev), positions, meta
 
 
 def _decodes(chunk: ScheduledChunk) -> bool:

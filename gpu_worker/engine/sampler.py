@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from . import ops
+from .host_memory import to_device
 from .sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -50,28 +51,43 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(n is not None for n in num_logprobs) else None
         if any(p.has_penalties for p in params):
             logits = apply_penalties(logits, batch)
-        tokens = torch.empty(len(params), dtype=torch.long, device=logits.device)
         greedy = [i for i, p in enumerate(params) if p.greedy]
         rand = [i for i, p in enumerate(params) if not p.greedy]
-        if greedy:
-            tokens[greedy] = logits[greedy].argmax(dim=-1)
-        if rand:
-            tokens[rand] = _sample_random(logits[rand], [params[i] for i in rand],
-                                          [batch.uniforms[i] for i in rand])
-        token_list = tokens.tolist()
-        return [SampledToken(t, _logprobs_of(raw_logprobs, i, t, num_logprobs[i]))
-                for i, t in enumerate(token_list)]
+        if not rand:
+            tokens = logits.argmax(dim=-1)
+        elif not greedy:
+            tokens = _sample_random(logits, params, batch.uniforms)
+        else:
+            tokens = torch.empty(len(params), dtype=torch.long, device=logits.device)
+            greedy_rows, rand_rows = to_device(greedy, torch.long, logits.device), to_device(rand, torch.long,
+                                                                                              logits.device)
+            tokens[greedy_rows] = logits[greedy_rows].argmax(dim=-1)
+            tokens[rand_rows] = _sample_random(logits[rand_rows], [params[i] for i in rand],
+                                               [batch.uniforms[i] for i in rand])
+        return _read_back(tokens, raw_logprobs, num_logprobs)
 
 
-def _logprobs_of(raw: torch.Tensor | None, row: int, token: int, top_n: int | None) -> dict[int, float] | None:
-    if top_n is None:
-        return None
-    result = {token: raw[row, token].item()}
-    if top_n:
-        values, ids = raw[row].topk(top_n)
-        for i, v in zip(ids.tolist(), values.tolist(), strict=True):
-            result.setdefault(i, v)
-    return result
+def _read_back(tokens: torch.Tensor, raw: torch.Tensor | None, num_logprobs: list[int | None]) -> list[SampledToken]:
+    """The sampled ids, with the log-probabilities asked for (the sampled token's and the top-N, raw model ones),
+    read from the device in one copy: the step's one wait for it."""
+    if raw is None:
+        return [SampledToken(t, None) for t in tokens.tolist()]
+    top = max(n for n in num_logprobs if n is not None)
+    columns = [tokens.double()[:, None], raw.gather(1, tokens[:, None]).double()]
+    if top:
+        values, ids = raw.topk(top, dim=-1)
+        columns += [ids.double(), values.double()]
+    out = []
+    for row, n in zip(torch.cat(columns, dim=1).tolist(), num_logprobs, strict=True):
+        token = int(row[0])
+        if n is None:
+            out.append(SampledToken(token, None))
+            continue
+        result = {token: row[1]}
+        for i, v in zip(row[2:2 + n], row[2 + top:2 + top + n], strict=True):
+            result.setdefault(int(i), v)
+        out.append(SampledToken(token, result))
+    return out
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -79,9 +95,8 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     rows, vocab = logits.shape
     device = logits.device
     counts = _token_counts(batch.output_token_ids, vocab, device)
-    rep = torch.tensor([p.repetition_penalty for p in batch.params], device=device)[:, None]
-    freq = torch.tensor([p.frequency_penalty for p in batch.params], device=device)[:, None]
-    pres = torch.tensor([p.presence_penalty for p in batch.params], device=device)[:, None]
+    rep, freq, pres = to_device([[p.repetition_penalty, p.frequency_penalty, p.presence_penalty]
+                                 for p in batch.params], torch.float32, device).T[:, :, None]
     seen = (counts + _token_counts(batch.prompt_token_ids, vocab, device)) > 0
     logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
     return logits - freq * counts - pres * (counts > 0).float()
@@ -91,9 +106,7 @@ def _token_counts(token_lists: list[list[int]], vocab: int, device) -> torch.Ten
     width = max((len(t) for t in token_lists), default=0)
     counts = torch.zeros(len(token_lists), vocab + 1, device=device)
     if width:
-        padded = torch.full((len(token_lists), width), vocab, dtype=torch.long, device=device)
-        for i, t in enumerate(token_lists):
-            padded[i, : len(t)] = torch.tensor(t, dtype=torch.long)
+        padded = to_device([t + [vocab] * (width - len(t)) for t in token_lists], torch.long, device)
         counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=counts.dtype))
     return counts[:, :vocab]
 
@@ -102,20 +115,27 @@ def _sample_random(logits: torch.Tensor, params: list[SamplingParams], uniforms:
     """Rows that filter draw along their own sorted order, the others along vocabulary order: a row's
     token depends on its own logits, parameters and uniform only, never on its neighbours in the batch."""
     device = logits.device
-    temps = torch.tensor([p.temperature for p in params], device=device)[:, None]
+    temps = to_device([p.temperature for p in params], torch.float32, device)[:, None]
     probs = torch.softmax(logits / temps, dim=-1)
-    u = torch.tensor(uniforms, dtype=torch.float64, device=device)
-    tokens = torch.empty(len(params), dtype=torch.long, device=device)
+    u = to_device(uniforms, torch.float64, device)
     filtering = [p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params]
-    plain = [i for i, f in enumerate(filtering) if not f]
+    if not any(filtering):
+        return _inverse_cdf(probs, u)
+    if all(filtering):
+        return _sample_filtered(probs, params, u)
+    tokens = torch.empty(len(params), dtype=torch.long, device=device)
+    plain = to_device([i for i, f in enumerate(filtering) if not f], torch.long, device)
     filtered = [i for i, f in enumerate(filtering) if f]
-    if plain:
-        tokens[plain] = _inverse_cdf(probs[plain], u[plain])
-    if filtered:
-        sorted_probs, order = probs[filtered].sort(dim=-1, descending=True)
-        kept = _filter_sorted(sorted_probs, [params[i] for i in filtered])
-        tokens[filtered] = order.gather(1, _inverse_cdf(kept, u[filtered])[:, None])[:, 0]
+    filtered_rows = to_device(filtered, torch.long, device)
+    tokens[plain] = _inverse_cdf(probs[plain], u[plain])
+    tokens[filtered_rows] = _sample_filtered(probs[filtered_rows], [params[i] for i in filtered], u[filtered_rows])
     return tokens
+
+
+def _sample_filtered(probs: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) -> torch.Tensor:
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    kept = _filter_sorted(sorted_probs, params)
+    return order.gather(1, _inverse_cdf(kept, u)[:, None])[:, 0]
 
 
 def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -127,9 +147,8 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 def _filter_sorted(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     device, vocab = probs.device, probs.shape[-1]
     ranks = torch.arange(vocab, device=device)[None, :]
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)[:, None]
-    top_p = torch.tensor([p.top_p for p in params], device=device)[:, None]
-    min_p = torch.tensor([p.min_p for p in params], device=device)[:, None]
+    top_k = to_device([p.top_k if p.top_k > 0 else vocab for p in params], torch.long, device)[:, None]
+    top_p, min_p = to_device([[p.top_p, p.min_p] for p in params], torch.float32, device).T[:, :, None]
     mass_before = probs.cumsum(dim=-1) - probs
     drop = (ranks >= top_k) | ((mass_before >= top_p) & (top_p < 1.0)) | (probs < min_p * probs[:, :1])
     drop[:, 0] = False

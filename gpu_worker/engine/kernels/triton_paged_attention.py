@@ -1,73 +1,239 @@
-"""Paged decode attention in Triton, straight from the block table, over a dense or an int8 / FP8 KV cache.
+"""Paged attention in Triton, straight from the block table, over a dense or an int8 / FP8 KV cache.
 
-One program per (sequence, KV head): it reads that head's keys and values block by block through the sequence's
-block table, once for all the query heads of its group (GQA), with an online softmax in fp32. With an 8-bit
-cache (`ScaledKVCache`: values [2, blocks, KVH, block_size, D], a scale per token and head) each key and value is
-dequantized in registers, so the context is read at one byte a value and never copied; the references are
-`TorchPagedAttention.decode` / `ScaledPagedAttention.decode`, which gather the whole context first. Tested in
-tests/engine/test_triton_paged_attention.py (CUDA, or Triton's interpreter on CPU in fp32 / fp16). Imported only
-where a CUDA attention is built.
+Both kernels read keys and values through each sequence's block table, BLOCK_N tokens at a time (a token's
+block looked up per token, so BLOCK_N does not depend on the cache's block size), with an online softmax in fp32,
+and never copy the context. With an 8-bit cache (`ScaledKVCache`: values [2, blocks, KVH, block_size, D], a
+scale per token and head) each key and value is dequantized in registers, so the context is read at one byte a
+value.
+
+- `paged_decode`: one query token per row. One program per (row, KV head, split) serves all the query heads of
+  its group (GQA) with one `tl.dot`, the group padded to 16 rows; long contexts are split across programs
+  (flash-decoding) and `_combine_splits` merges the partial softmaxes. The split count depends only on the
+  shapes, so a CUDA graph captured for a batch bucket replays it for any context lengths; it is a runtime
+  argument, so a new count compiles nothing.
+- `paged_prefill`: chunked prefill over the paged cache, varlen: one program per (chunk, BLOCK_M query rows,
+  query head), causal within the chunk and full over the context cached before it. The chunk's own keys are
+  already in the cache (written before attention), so cached and new keys are read alike.
+
+The references are `TorchPagedAttention.decode` / `_prefill` and `ScaledPagedAttention`'s, which gather the
+context first. Tested in tests/engine/test_triton_paged_attention.py (CUDA, or Triton's interpreter on CPU in
+fp32 / fp16). Imported only where a CUDA attention is built.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
 import triton.language as tl
 
+DECODE_BLOCK_N = 64
+PREFILL_BLOCK_M = 64
+PREFILL_BLOCK_N = 64
+# A split reads at least this many tokens: fewer, and the partials' round trip outweighs the parallelism.
+MIN_TOKENS_PER_SPLIT = 256
+
 
 @triton.jit
-def _paged_decode(q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, tables_ptr, lens_ptr, out_ptr, scale, KVH,
-                  stride_table, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr,
-                  BLOCK_SIZE: tl.constexpr, QUANTIZED: tl.constexpr):
+def _load_kv(ptr, scale_ptr, block_ids, cols, kv_head, rd, valid, KVH, BLOCK_SIZE: tl.constexpr,
+             D: tl.constexpr, QUANTIZED: tl.constexpr, dtype: tl.constexpr):
+    """Tokens `cols` of one KV head, each from its block in `block_ids`: [BLOCK_N, D_PAD] in `dtype`."""
+    rows = (block_ids * KVH + kv_head) * BLOCK_SIZE + cols % BLOCK_SIZE
+    x = tl.load(ptr + rows[:, None] * D + rd[None, :], mask=valid[:, None] & (rd[None, :] < D), other=0.0)
+    if QUANTIZED:
+        x = x.to(tl.float32) * tl.load(scale_ptr + rows, mask=valid, other=0.0).to(tl.float32)[:, None]
+    return x.to(dtype)
+
+
+@triton.jit
+def _dot(a, b, FP32: tl.constexpr):
+    """a @ b in fp32: IEEE products for fp32 inputs (the exactness tests' dtype), tensor cores else."""
+    return tl.dot(a, b, input_precision="ieee") if FP32 else tl.dot(a, b)
+
+
+@triton.jit
+def _attend_keys(q, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_ptr, cols, valid, visible, kv_head, rd, best,
+                 total, acc, scale, KVH, BLOCK_SIZE: tl.constexpr, D: tl.constexpr, QUANTIZED: tl.constexpr,
+                 FP32: tl.constexpr):
+    """Keys `cols` of one sequence (`valid` ones: inside its context), read through its block table, into the
+    running softmax of the queries q [rows, D_PAD]; `visible` [rows, BLOCK_N]: which query sees which key.
+    Returns the new (max, mass, unnormalized output) per query row."""
+    block_ids = tl.load(table_ptr + cols // BLOCK_SIZE, mask=valid, other=0)
+    k = _load_kv(k_ptr, k_scale_ptr, block_ids, cols, kv_head, rd, valid, KVH, BLOCK_SIZE, D, QUANTIZED, q.dtype)
+    v = _load_kv(v_ptr, v_scale_ptr, block_ids, cols, kv_head, rd, valid, KVH, BLOCK_SIZE, D, QUANTIZED, q.dtype)
+    s = tl.where(visible, _dot(q, tl.trans(k), FP32) * scale, float("-inf"))  # [rows, BLOCK_N]
+    new_best = tl.maximum(best, tl.max(s, axis=1))
+    p = tl.exp(s - new_best[:, None])
+    kept = tl.exp(best - new_best)
+    return new_best, total * kept + tl.sum(p, axis=1), acc * kept[:, None] + _dot(p.to(v.dtype), v, FP32)
+
+
+@triton.jit
+def _paged_decode(q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, tables_ptr, lens_ptr, out_ptr, part_ptr,
+                  stats_ptr, scale, H, KVH, stride_q, stride_table, tokens_per_split, num_splits, SPLIT: tl.constexpr,
+                  GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+                  BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, QUANTIZED: tl.constexpr, FP32: tl.constexpr):
     b = tl.program_id(0)
-    h = tl.program_id(1)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
     rg = tl.arange(0, GROUP_PAD)
-    rd = tl.arange(0, D)
-    rt = tl.arange(0, BLOCK_SIZE)
-    heads = h * GROUP + rg
-    q = tl.load(q_ptr + (b * KVH * GROUP + heads)[:, None] * D + rd[None, :], mask=(rg < GROUP)[:, None],
-                other=0.0).to(tl.float32)
+    rd = tl.arange(0, D_PAD)
+    rn = tl.arange(0, BLOCK_N)
+    heads = kv_head * GROUP + rg
+    head_mask = (rg < GROUP)[:, None] & (rd[None, :] < D)
+    q = tl.load(q_ptr + b * stride_q + heads[:, None] * D + rd[None, :], mask=head_mask, other=0.0)
     length = tl.load(lens_ptr + b)
+    first = split * tokens_per_split
+    last = tl.minimum(first + tokens_per_split, length)
     best = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
     total = tl.zeros((GROUP_PAD,), tl.float32)
-    acc = tl.zeros((GROUP_PAD, D), tl.float32)
-    for i in range(0, tl.cdiv(length, BLOCK_SIZE)):
-        block = tl.load(tables_ptr + b * stride_table + i)
-        valid = i * BLOCK_SIZE + rt < length
-        rows = (block * KVH + h) * BLOCK_SIZE + rt  # this head's rows of the block
-        k = tl.load(k_ptr + rows[:, None] * D + rd[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + rows[:, None] * D + rd[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-        if QUANTIZED:
-            k = k * tl.load(k_scale_ptr + rows, mask=valid, other=0.0).to(tl.float32)[:, None]
-            v = v * tl.load(v_scale_ptr + rows, mask=valid, other=0.0).to(tl.float32)[:, None]
-        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [GROUP_PAD, BLOCK_SIZE]
-        s = tl.where(valid[None, :], s, float("-inf"))
-        new_best = tl.maximum(best, tl.max(s, axis=1))
-        p = tl.exp(s - new_best[:, None])
-        kept = tl.exp(best - new_best)
-        total = total * kept + tl.sum(p, axis=1)
-        acc = acc * kept[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
-        best = new_best
-    out = acc / total[:, None]
-    tl.store(out_ptr + (b * KVH * GROUP + heads)[:, None] * D + rd[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=(rg < GROUP)[:, None])
+    acc = tl.zeros((GROUP_PAD, D_PAD), tl.float32)
+    for start in range(first, last, BLOCK_N):
+        cols = start + rn
+        valid = cols < last
+        best, total, acc = _attend_keys(q, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, tables_ptr + b * stride_table,
+                                        cols, valid, valid[None, :], kv_head, rd, best, total, acc, scale, KVH,
+                                        BLOCK_SIZE, D, QUANTIZED, FP32)
+    rows = b * H + heads
+    if not SPLIT:
+        tl.store(out_ptr + rows[:, None] * D + rd[None, :], (acc / total[:, None]).to(out_ptr.dtype.element_ty),
+                 mask=head_mask)
+    else:  # this split's unnormalized sums and its softmax's max and mass; an empty split leaves -inf and 0
+        part_rows = rows * num_splits + split
+        tl.store(part_ptr + part_rows[:, None] * D + rd[None, :], acc, mask=head_mask)
+        tl.store(stats_ptr + part_rows * 2, best, mask=rg < GROUP)
+        tl.store(stats_ptr + part_rows * 2 + 1, total, mask=rg < GROUP)
+
+
+@triton.jit
+def _combine_splits(part_ptr, stats_ptr, out_ptr, num_splits, SPLITS_PAD: tl.constexpr, D: tl.constexpr,
+                    D_PAD: tl.constexpr):
+    row = tl.program_id(0)  # a (batch row, query head)
+    rs = tl.arange(0, SPLITS_PAD)
+    rd = tl.arange(0, D_PAD)
+    valid = rs < num_splits
+    part_rows = row * num_splits + rs
+    best = tl.load(stats_ptr + part_rows * 2, mask=valid, other=float("-inf"))
+    total = tl.load(stats_ptr + part_rows * 2 + 1, mask=valid, other=0.0)
+    acc = tl.load(part_ptr + part_rows[:, None] * D + rd[None, :], mask=valid[:, None] & (rd[None, :] < D),
+                  other=0.0)
+    weight = tl.exp(best - tl.max(best, axis=0))  # split 0 always holds a token: the max is finite
+    out = tl.sum(acc * weight[:, None], axis=0) / tl.sum(total * weight, axis=0)
+    tl.store(out_ptr + row * D + rd, out.to(out_ptr.dtype.element_ty), mask=rd < D)
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def decode_splits(batch: int, kv_heads: int, max_context: int, device: torch.device) -> int:
+    """Splits per (row, KV head) that give the GPU about two programs per multiprocessor, none shorter than
+    MIN_TOKENS_PER_SPLIT: batch-1 decode over a long context then reads it on every multiprocessor."""
+    wanted = triton.cdiv(2 * _multiprocessors(device), batch * kv_heads)
+    return max(1, min(wanted, max_context // MIN_TOKENS_PER_SPLIT))
+
+
+def _row_strided(q: torch.Tensor) -> torch.Tensor:
+    """q itself where only its rows are strided (as the kernels read it), else a contiguous copy."""
+    return q if q.stride(2) == 1 and q.stride(1) == q.shape[2] else q.contiguous()
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, scale: float, k_scale: torch.Tensor | None = None,
-                 v_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """q [B, H, D]; caches [blocks, KVH, block_size, D] (int8 with scales [blocks, KVH, block_size], or dense);
-    block_tables [B, max_blocks]; context_lens [B] (each >= 1). Returns [B, H, D] in q's dtype."""
+                 v_scale: torch.Tensor | None = None, num_splits: int | None = None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """q [B, H, D] (its rows may be strided: the fused projection's q columns); caches [blocks, KVH, block_size,
+    D] (int8 / fp8 with scales [blocks, KVH, block_size], or dense); block_tables [B, max_blocks]; context_lens
+    [B] (each >= 1, at most max_blocks * block_size). Writes `out` (default: a new [B, H, D] in q's dtype) and
+    returns it. `num_splits` defaults to `decode_splits` over the tables' width."""
+    q = _row_strided(q)
     batch, heads, dim = q.shape
     _, kv_heads, block_size, _ = k_cache.shape
-    if heads % kv_heads or dim & (dim - 1) or block_size & (block_size - 1):
-        raise ValueError("whole query groups, and head_dim and block_size powers of two")
-    group = heads // kv_heads
-    out = torch.empty_like(q)
+    if heads % kv_heads:
+        raise ValueError(f"{heads} query heads do not split into groups over {kv_heads} KV heads")
+    max_context = block_tables.shape[1] * block_size
+    if num_splits is None:
+        num_splits = decode_splits(batch, kv_heads, max_context, q.device)
+    tokens_per_split = triton.cdiv(triton.cdiv(max_context, num_splits), DECODE_BLOCK_N) * DECODE_BLOCK_N
+    num_splits = triton.cdiv(max_context, tokens_per_split)
+    out = q.new_empty(q.shape) if out is None else out
+    part = stats = out  # unused with one split
+    if num_splits > 1:
+        part = torch.empty(batch, heads, num_splits, dim, dtype=torch.float32, device=q.device)
+        stats = torch.empty(batch, heads, num_splits, 2, dtype=torch.float32, device=q.device)
+    group, quantized = heads // kv_heads, k_scale is not None
+    d_pad = max(16, triton.next_power_of_2(dim))
+    _paged_decode[(batch, kv_heads, num_splits)](
+        q, k_cache, v_cache, k_scale if quantized else k_cache, v_scale if quantized else v_cache,
+        block_tables, context_lens, out, part, stats, scale, heads, kv_heads, q.stride(0), block_tables.stride(0),
+        tokens_per_split, num_splits, SPLIT=num_splits > 1, GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)), D=dim, D_PAD=d_pad, BLOCK_SIZE=block_size,
+        BLOCK_N=DECODE_BLOCK_N, QUANTIZED=quantized, FP32=q.dtype == torch.float32)
+    if num_splits > 1:
+        _combine_splits[(batch * heads,)](part, stats, out, num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
+                                          D=dim, D_PAD=d_pad)
+    return out
+
+
+@triton.jit
+def _paged_prefill(q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, tables_ptr, starts_ptr, query_lens_ptr,
+                   context_lens_ptr, out_ptr, scale, H, KVH, stride_q, stride_table, GROUP: tl.constexpr,
+                   D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, QUANTIZED: tl.constexpr, FP32: tl.constexpr):
+    chunk = tl.program_id(0)
+    tile = tl.program_id(1)
+    head = tl.program_id(2)
+    query_len = tl.load(query_lens_ptr + chunk)
+    if tile * BLOCK_M >= query_len:
+        return
+    start = tl.load(starts_ptr + chunk)
+    context_len = tl.load(context_lens_ptr + chunk)
+    kv_head = head // GROUP
+    rm = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    rd = tl.arange(0, D_PAD)
+    rn = tl.arange(0, BLOCK_N)
+    row_mask = (rm < query_len)[:, None] & (rd[None, :] < D)
+    q = tl.load(q_ptr + (start + rm)[:, None] * stride_q + head * D + rd[None, :], mask=row_mask, other=0.0)
+    positions = context_len - query_len + rm  # each query row's position: it sees keys 0..position
+    # Keys up to the tile's last row's position (rows past the chunk's end see nothing more).
+    end = context_len - query_len + tl.minimum(tile * BLOCK_M + BLOCK_M, query_len)
+    best = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    total = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, D_PAD), tl.float32)
+    for key_start in range(0, end, BLOCK_N):
+        cols = key_start + rn
+        valid = cols < end
+        visible = valid[None, :] & (cols[None, :] <= positions[:, None])
+        best, total, acc = _attend_keys(q, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr,
+                                        tables_ptr + chunk * stride_table, cols, valid, visible, kv_head, rd, best,
+                                        total, acc, scale, KVH, BLOCK_SIZE, D, QUANTIZED, FP32)
+    out = acc / total[:, None]
+    tl.store(out_ptr + ((start + rm) * H + head)[:, None] * D + rd[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=row_mask)
+
+
+def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                  query_starts: torch.Tensor, query_lens: torch.Tensor, context_lens: torch.Tensor,
+                  max_query_len: int, scale: float, k_scale: torch.Tensor | None = None,
+                  v_scale: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention for prefill chunks whose keys and values are in the cache already. q [T, H, D]: the step's
+    rows (they may be strided), chunk c's from query_starts[c] for query_lens[c]; block_tables [C, max_blocks];
+    context_lens [C]: each chunk's tokens, itself included. Writes the chunks' rows of `out` (default: a new
+    [T, H, D]) and returns it."""
+    q = _row_strided(q)
+    _, heads, dim = q.shape
+    _, kv_heads, block_size, _ = k_cache.shape
+    if heads % kv_heads:
+        raise ValueError(f"{heads} query heads do not split into groups over {kv_heads} KV heads")
+    out = q.new_empty(q.shape) if out is None else out
     quantized = k_scale is not None
-    _paged_decode[(batch, kv_heads)](
-        q.contiguous(), k_cache, v_cache, k_scale if quantized else k_cache, v_scale if quantized else v_cache,
-        block_tables.contiguous(), context_lens.contiguous(), out, scale, kv_heads, block_tables.stride(0),
-        GROUP=group, GROUP_PAD=triton.next_power_of_2(group), D=dim, BLOCK_SIZE=block_size, QUANTIZED=quantized)
+    grid = (block_tables.shape[0], triton.cdiv(max_query_len, PREFILL_BLOCK_M), heads)
+    _paged_prefill[grid](
+        q, k_cache, v_cache, k_scale if quantized else k_cache, v_scale if quantized else v_cache,
+        block_tables, query_starts, query_lens, context_lens, out, scale, heads, kv_heads, q.stride(0),
+        block_tables.stride(0),
+        GROUP=heads // kv_heads, D=dim, D_PAD=max(16, triton.next_power_of_2(dim)), BLOCK_SIZE=block_size,
+        BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=PREFILL_BLOCK_N, QUANTIZED=quantized, FP32=q.dtype == torch.float32)
     return out
