@@ -58,7 +58,8 @@ def _llm(engines: dict, mode: str, args):
 
         # Prefix caching off: every round sends the same prompts, and HF recomputes them each time.
         engines[mode] = LLM(str(args.model_dir), dtype="bfloat16", device=args.device, enforce_eager=mode == "eager",
-                            enable_prefix_caching=False, gpu_memory_utilization=UTILIZATION[mode])
+                            enable_prefix_caching=False, gpu_memory_utilization=UTILIZATION[mode],
+                            max_num_seqs=args.concurrent)  # graphs for the batches this benchmark makes, no more
     return engines[mode]
 
 

@@ -158,7 +158,7 @@ class LLMEngine:
         budget = self.config.kv_cache_memory_bytes
         if budget is None and self.device.type == "cuda":
             budget = kv_cache_budget(model, self.kv_format, self.config.block_size,
-                                     min(self.config.max_num_batched_tokens, self.max_model_len),
+                                     self.config.max_num_batched_tokens, self.max_model_len,
                                      self.config.max_num_seqs, graph_rows, self.config.gpu_memory_utilization,
                                      self.device)
         num_blocks = (DEFAULT_CPU_KV_CACHE_BYTES if budget is None else budget) // per_block

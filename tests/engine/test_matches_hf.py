@@ -11,6 +11,9 @@ from gpu_worker.engine import LLM, SamplingParams
 from tests.conftest import DEVICE, hf_greedy
 
 NUM_PROMPTS = 32
+# 8192 blocks of these models: room for every test, where a GPU's default (gpu_memory_utilization 0.9) would
+# give each engine millions of blocks to set up.
+KV_BYTES = 64 << 20
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +36,7 @@ def _greedy(n: int) -> SamplingParams:
 
 def _run(model_dir, workload, count: int, **engine_kwargs):
     prompts, max_new = workload
-    llm = LLM(str(model_dir), dtype="float32", device=DEVICE, **engine_kwargs)
+    llm = LLM(str(model_dir), dtype="float32", device=DEVICE, **{"kv_cache_memory_bytes": KV_BYTES, **engine_kwargs})
     outputs = llm.generate(prompts[:count], [_greedy(n) for n in max_new[:count]])
     return llm, [o.token_ids for o in outputs]
 
@@ -70,7 +73,8 @@ def test_bfloat16_top1_within_hf_top5_until_divergence(make_checkpoint, workload
     model_dir = make_checkpoint("llama", dtype=torch.bfloat16, head_dim=32)  # 32: the CPU kernels serve it
     prompts, max_new = workload
     prompts, max_new = prompts[:8], max_new[:8]
-    ours = LLM(str(model_dir), dtype="bfloat16", device=DEVICE).generate(prompts, [_greedy(n) for n in max_new])
+    ours = LLM(str(model_dir), dtype="bfloat16", device=DEVICE, kv_cache_memory_bytes=KV_BYTES).generate(
+        prompts, [_greedy(n) for n in max_new])
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(DEVICE).eval()
     for prompt, out, n in zip(prompts, ours, max_new, strict=True):
         ids = torch.tensor([prompt], device=DEVICE)
@@ -91,7 +95,7 @@ def test_logprobs_match_hf_log_softmax(make_checkpoint, workload):
 
     model_dir = make_checkpoint("qwen2")
     prompt = workload[0][3]
-    out = LLM(str(model_dir), dtype="float32", device=DEVICE).generate(
+    out = LLM(str(model_dir), dtype="float32", device=DEVICE, kv_cache_memory_bytes=KV_BYTES).generate(
         prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5))[0]
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(DEVICE).eval()
     with torch.inference_mode():

@@ -14,6 +14,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
 pytest.importorskip("triton", reason="Triton is not installed")
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA, tests/engine/test_cuda.py runs the real "
+                                "kernels and graphs; these run the interpreter's on CPU tensors")
 
 from gpu_worker.engine import LLM, SamplingParams  # noqa: E402
 from gpu_worker.engine.attention import TritonPagedAttention  # noqa: E402

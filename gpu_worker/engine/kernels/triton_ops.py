@@ -86,7 +86,8 @@ def _rotary(qkv_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, slot_blocks_ptr
     if WRITE:  # noqa: SIM102 (a constexpr and a tensor do not mix in one Triton condition)
         if head >= H:
             kv_head = head - H
-            slot = ((tl.load(slot_blocks_ptr + t) * KVH + kv_head) * BLOCK_SIZE + tl.load(slot_offsets_ptr + t)) * D
+            block = tl.load(slot_blocks_ptr + t).to(tl.int64)
+            slot = ((block * KVH + kv_head) * BLOCK_SIZE + tl.load(slot_offsets_ptr + t)) * D
             tl.store(k_cache_ptr + slot + ri, y1.to(k_cache_ptr.dtype.element_ty), mask=mask)
             tl.store(k_cache_ptr + slot + HALF + ri, y2.to(k_cache_ptr.dtype.element_ty), mask=mask)
             v_row = row + KVH * D  # this KV head's v columns sit KVH heads past its k columns

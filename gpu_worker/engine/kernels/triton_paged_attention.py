@@ -7,10 +7,10 @@ scale per token and head) each key and value is dequantized in registers, so the
 value.
 
 - `paged_decode`: one query token per row. One program per (row, KV head, split) serves all the query heads of
-  its group (GQA) with one `tl.dot`, the group padded to 16 rows; long contexts are split across programs
-  (flash-decoding) and `_combine_splits` merges the partial softmaxes. The split count depends only on the
-  shapes, so a CUDA graph captured for a batch bucket replays it for any context lengths; it is a runtime
-  argument, so a new count compiles nothing.
+  its group (GQA) with one `tl.dot`, the group padded to 16 rows; long contexts are split every SPLIT_TOKENS
+  across programs (flash-decoding) and `_combine_splits` merges the partial softmaxes. The split count depends
+  only on the tables' width, so a CUDA graph captured for a batch bucket replays it for any context lengths; it
+  is a runtime argument, so a new count compiles nothing.
 - `paged_prefill`: chunked prefill over the paged cache, varlen: one program per (chunk, BLOCK_M query rows,
   query head), causal within the chunk and full over the context cached before it. The chunk's own keys are
   already in the cache (written before attention), so cached and new keys are read alike.
@@ -22,8 +22,6 @@ fp32 / fp16). Imported only where a CUDA attention is built.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -31,15 +29,18 @@ import triton.language as tl
 DECODE_BLOCK_N = 64
 PREFILL_BLOCK_M = 64
 PREFILL_BLOCK_N = 64
-# A split reads at least this many tokens: fewer, and the partials' round trip outweighs the parallelism.
-MIN_TOKENS_PER_SPLIT = 256
+# Tokens per split of a long decode context: a batch-1 decode at 8k context runs 32 programs per KV head, and
+# fewer tokens would make the partials' round trip outweigh the parallelism. Fixed, so that a row's context
+# splits at the same places whatever the batch or the tables' width: a CUDA graph's step (tables padded to the
+# longest context served) and an eager step then sum in the same order.
+SPLIT_TOKENS = 256
 
 
 @triton.jit
 def _load_kv(ptr, scale_ptr, block_ids, cols, kv_head, rd, valid, KVH, BLOCK_SIZE: tl.constexpr,
              D: tl.constexpr, QUANTIZED: tl.constexpr, dtype: tl.constexpr):
     """Tokens `cols` of one KV head, each from its block in `block_ids`: [BLOCK_N, D_PAD] in `dtype`."""
-    rows = (block_ids * KVH + kv_head) * BLOCK_SIZE + cols % BLOCK_SIZE
+    rows = (block_ids.to(tl.int64) * KVH + kv_head) * BLOCK_SIZE + cols % BLOCK_SIZE
     x = tl.load(ptr + rows[:, None] * D + rd[None, :], mask=valid[:, None] & (rd[None, :] < D), other=0.0)
     if QUANTIZED:
         x = x.to(tl.float32) * tl.load(scale_ptr + rows, mask=valid, other=0.0).to(tl.float32)[:, None]
@@ -77,14 +78,16 @@ def _paged_decode(q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, tables_ptr, len
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    length = tl.load(lens_ptr + b)
+    first = split * tokens_per_split
+    if first >= length:  # past this row's context (tables are as wide as the longest): `_combine_splits` skips it
+        return
     rg = tl.arange(0, GROUP_PAD)
     rd = tl.arange(0, D_PAD)
     rn = tl.arange(0, BLOCK_N)
     heads = kv_head * GROUP + rg
     head_mask = (rg < GROUP)[:, None] & (rd[None, :] < D)
     q = tl.load(q_ptr + b * stride_q + heads[:, None] * D + rd[None, :], mask=head_mask, other=0.0)
-    length = tl.load(lens_ptr + b)
-    first = split * tokens_per_split
     last = tl.minimum(first + tokens_per_split, length)
     best = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
     total = tl.zeros((GROUP_PAD,), tl.float32)
@@ -99,7 +102,7 @@ def _paged_decode(q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, tables_ptr, len
     if not SPLIT:
         tl.store(out_ptr + rows[:, None] * D + rd[None, :], (acc / total[:, None]).to(out_ptr.dtype.element_ty),
                  mask=head_mask)
-    else:  # this split's unnormalized sums and its softmax's max and mass; an empty split leaves -inf and 0
+    else:  # this split's unnormalized sums and its softmax's max and mass
         part_rows = rows * num_splits + split
         tl.store(part_ptr + part_rows[:, None] * D + rd[None, :], acc, mask=head_mask)
         tl.store(stats_ptr + part_rows * 2, best, mask=rg < GROUP)
@@ -107,32 +110,20 @@ def _paged_decode(q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, tables_ptr, len
 
 
 @triton.jit
-def _combine_splits(part_ptr, stats_ptr, out_ptr, num_splits, SPLITS_PAD: tl.constexpr, D: tl.constexpr,
-                    D_PAD: tl.constexpr):
+def _combine_splits(part_ptr, stats_ptr, out_ptr, lens_ptr, H, tokens_per_split, num_splits,
+                    SPLITS_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr):
     row = tl.program_id(0)  # a (batch row, query head)
     rs = tl.arange(0, SPLITS_PAD)
     rd = tl.arange(0, D_PAD)
-    valid = rs < num_splits
+    valid = rs < tl.cdiv(tl.load(lens_ptr + row // H), tokens_per_split)  # the splits that held tokens
     part_rows = row * num_splits + rs
     best = tl.load(stats_ptr + part_rows * 2, mask=valid, other=float("-inf"))
     total = tl.load(stats_ptr + part_rows * 2 + 1, mask=valid, other=0.0)
     acc = tl.load(part_ptr + part_rows[:, None] * D + rd[None, :], mask=valid[:, None] & (rd[None, :] < D),
                   other=0.0)
-    weight = tl.exp(best - tl.max(best, axis=0))  # split 0 always holds a token: the max is finite
+    weight = tl.exp(best - tl.max(best, axis=0))
     out = tl.sum(acc * weight[:, None], axis=0) / tl.sum(total * weight, axis=0)
     tl.store(out_ptr + row * D + rd, out.to(out_ptr.dtype.element_ty), mask=rd < D)
-
-
-@functools.cache
-def _multiprocessors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-
-
-def decode_splits(batch: int, kv_heads: int, max_context: int, device: torch.device) -> int:
-    """Splits per (row, KV head) that give the GPU about two programs per multiprocessor, none shorter than
-    MIN_TOKENS_PER_SPLIT: batch-1 decode over a long context then reads it on every multiprocessor."""
-    wanted = triton.cdiv(2 * _multiprocessors(device), batch * kv_heads)
-    return max(1, min(wanted, max_context // MIN_TOKENS_PER_SPLIT))
 
 
 def _row_strided(q: torch.Tensor) -> torch.Tensor:
@@ -142,22 +133,18 @@ def _row_strided(q: torch.Tensor) -> torch.Tensor:
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, scale: float, k_scale: torch.Tensor | None = None,
-                 v_scale: torch.Tensor | None = None, num_splits: int | None = None,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+                 v_scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                 split_tokens: int = SPLIT_TOKENS) -> torch.Tensor:
     """q [B, H, D] (its rows may be strided: the fused projection's q columns); caches [blocks, KVH, block_size,
     D] (int8 / fp8 with scales [blocks, KVH, block_size], or dense); block_tables [B, max_blocks]; context_lens
     [B] (each >= 1, at most max_blocks * block_size). Writes `out` (default: a new [B, H, D] in q's dtype) and
-    returns it. `num_splits` defaults to `decode_splits` over the tables' width."""
+    returns it. Contexts are split every `split_tokens` (a multiple of DECODE_BLOCK_N)."""
     q = _row_strided(q)
     batch, heads, dim = q.shape
     _, kv_heads, block_size, _ = k_cache.shape
     if heads % kv_heads:
         raise ValueError(f"{heads} query heads do not split into groups over {kv_heads} KV heads")
-    max_context = block_tables.shape[1] * block_size
-    if num_splits is None:
-        num_splits = decode_splits(batch, kv_heads, max_context, q.device)
-    tokens_per_split = triton.cdiv(triton.cdiv(max_context, num_splits), DECODE_BLOCK_N) * DECODE_BLOCK_N
-    num_splits = triton.cdiv(max_context, tokens_per_split)
+    num_splits = triton.cdiv(block_tables.shape[1] * block_size, split_tokens)
     out = q.new_empty(q.shape) if out is None else out
     part = stats = out  # unused with one split
     if num_splits > 1:
@@ -168,12 +155,12 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     _paged_decode[(batch, kv_heads, num_splits)](
         q, k_cache, v_cache, k_scale if quantized else k_cache, v_scale if quantized else v_cache,
         block_tables, context_lens, out, part, stats, scale, heads, kv_heads, q.stride(0), block_tables.stride(0),
-        tokens_per_split, num_splits, SPLIT=num_splits > 1, GROUP=group,
+        split_tokens, num_splits, SPLIT=num_splits > 1, GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), D=dim, D_PAD=d_pad, BLOCK_SIZE=block_size,
         BLOCK_N=DECODE_BLOCK_N, QUANTIZED=quantized, FP32=q.dtype == torch.float32)
     if num_splits > 1:
-        _combine_splits[(batch * heads,)](part, stats, out, num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
-                                          D=dim, D_PAD=d_pad)
+        _combine_splits[(batch * heads,)](part, stats, out, context_lens, heads, split_tokens, num_splits,
+                                          SPLITS_PAD=triton.next_power_of_2(num_splits), D=dim, D_PAD=d_pad)
     return out
 
 
