@@ -66,6 +66,10 @@ def test_triton_decode_split_over_a_long_context_matches_the_reference(split_tok
     _assert_close(*_dense_decode(8, 2, 64, dtype, [4100, 1, 700], split_tokens=split_tokens), dtype)
 
 
+def test_triton_decode_of_one_row_over_a_4k_context_matches_the_reference():
+    _assert_close(*_dense_decode(32, 4, 128, torch.float16, [4097]), torch.float16)
+
+
 def test_triton_decode_of_a_batch_of_64_matches_the_reference():
     contexts = [1 + (37 * i) % 200 for i in range(64)]
     _assert_close(*_dense_decode(8, 1, 64, torch.float16, contexts), torch.float16)
