@@ -73,6 +73,7 @@ class Worker:
     async def drain(self, loops: list[asyncio.Task]) -> None:
         """Stop taking work, let in-flight requests finish within the deadline, hand back the rest."""
         self.draining = True
+        log.info("worker %s draining: %d requests in flight", self.worker_id, len(self.inflight))
         read, janitor, *_ = loops
         read.cancel()
         janitor.cancel()
@@ -85,12 +86,14 @@ class Worker:
         for _, task in leftover.values():
             task.cancel()
         await asyncio.gather(*(task for _, task in leftover.values()), return_exceptions=True)
+        log.info("worker %s draining: loops stopped, %d requests to hand back", self.worker_id, len(leftover))
         await self.replies.flushed()  # the next owner resumes from what the reply streams hold
         for stream, entry_ids in _by_stream(d for d, _ in leftover.values()).items():
             await streams.hand_back(self.redis, stream, p.WORKER_GROUP, self.worker_id, entry_ids, self.streams)
         await self.redis.zrem(p.workers_key(self.info.name), self.worker_id)
         await self.redis.delete(p.heartbeat_key(self.info.name, self.worker_id))  # live workers adopt the inbox
         await self.directory.forget(self.worker_id)
+        log.info("worker %s draining: handed back, shutting the engine down", self.worker_id)
         await self.engine.shutdown()
         log.info("worker %s drained; %d requests handed back", self.worker_id, len(leftover))
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -94,6 +95,20 @@ class Stack:
                                 env={**self.env, **(env or {})})
         self.workers.append(proc)
         return proc
+
+    @staticmethod
+    def wait_stopped(proc: subprocess.Popen, timeout_s: float = 60) -> int:
+        """`proc`'s exit status once it has stopped (a loaded 2-core host took over 30 s to drain a worker). One that
+        does not stop in time prints its threads' and asyncio tasks' stacks (captured with the test's output), is
+        killed, and fails the test."""
+        try:
+            return proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGUSR1)
+            proc.send_signal(signal.SIGUSR2)
+            time.sleep(2)
+            proc.kill()
+            raise AssertionError(f"process {proc.pid} did not stop within {timeout_s:.0f} s of SIGTERM") from None
 
     def wait_for_worker(self, proc: subprocess.Popen, model: str = MODEL, timeout_s: float = 180) -> None:
         """Until `proc` heartbeats as a worker of `model`."""

@@ -24,4 +24,4 @@ def test_a_quantized_directory_with_an_int8_kv_cache_serves_what_the_engine_serv
         assert name in {m.id for m in stack.client().models.list().data}
     finally:
         worker.terminate()
-        worker.wait(60)  # past the worker's 30 s drain deadline (a loaded CI machine has hit it)
+        stack.wait_stopped(worker)
