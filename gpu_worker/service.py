@@ -54,6 +54,10 @@ class Worker:
                               ("cpu" if settings.device == "cpu" else "gpu")}
         self.inflight: dict[str, tuple[streams.Delivery, asyncio.Task]] = {}  # request id -> (its entry, its task)
         self.draining = False
+        # Set as the drain stops the background loops: a loop whose cancellation was lost inside a Redis command
+        # (seen: a heartbeat loop left "cancelling" yet sleeping and beating on, holding a drain for 15 minutes)
+        # still ends at its next turn.
+        self.stopping = False
         self._slot_freed = asyncio.Event()
         self._directory_stale = False
         self._beats = 0
@@ -79,6 +83,7 @@ class Worker:
         janitor.cancel()
         if self.inflight:  # the heartbeat goes on meanwhile, keeping their entries ours
             await asyncio.wait([task for _, task in self.inflight.values()], timeout=self.settings.drain_timeout_s)
+        self.stopping = True
         for loop in loops:  # no refresh after this point: it would undo the hand-back
             loop.cancel()
         await asyncio.gather(*loops, return_exceptions=True)
@@ -290,7 +295,7 @@ class Worker:
     # ---- liveness and cancellation --------------------------------------------------------------------
 
     async def _heartbeat_loop(self) -> None:
-        while True:
+        while not self.stopping:
             await asyncio.sleep(self.settings.heartbeat_interval_s)
             await self._heartbeat()
 
@@ -340,7 +345,7 @@ class Worker:
         pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
         try:
             await pubsub.subscribe(p.CANCEL_CHANNEL)
-            while True:
+            while not self.stopping:
                 # Polled with a timeout: a blocking listen would hit the client's socket timeout when idle.
                 message = await pubsub.get_message(timeout=BLOCK_MS / 1000)
                 if message and (entry := self.inflight.get(message["data"])):
