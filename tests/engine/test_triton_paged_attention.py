@@ -109,7 +109,7 @@ def test_triton_decode_reads_an_8_bit_cache_as_the_dequantizing_reference_does(h
     cache = ScaledKVCache(data.to(DEVICE), scales.to(DEVICE))
     meta = dataclasses.replace(meta, decode_block_tables=meta.decode_block_tables.to(DEVICE),
                                decode_context_lens=meta.decode_context_lens.to(DEVICE))
-    got = TritonScaledPagedAttention(layout).decode(q.to(DEVICE), cache, meta)
+    got = TritonScaledPagedAttention(layout).attend(q.to(DEVICE), None, None, cache, meta)  # decode rows only
     _assert_close(got, want, dtype)
 
 
