@@ -1,23 +1,32 @@
-"""`tokenfleet bench engine`: our engine and its peers on one model and workload, back to back.
+"""`tokenfleet bench engine`: our engine against its peers on one model and workload, in interleaved rounds.
 
-(a) batch 1: decode tokens/s of each and the memory roofline (weight bytes per token / read bandwidth);
-(b) mixed: output tokens/s of each and the ratio ours/peer, with our KV use and preemptions.
+Workloads (fixed seed, greedy, `ignore_eos`): batch 1, decode tokens/s of one 128-token prompt and 128 new tokens
+(the median of `--repeats` runs); mixed, output tokens/s of 128 requests with uneven prompts and outputs, all
+submitted at once. Every engine is loaded once, with prefix caching off (each round repeats the prompts, which a
+cache would serve from the second round on). Each round then runs, for every peer and workload, ours and the
+peer back to back (ours first in odd rounds, the peer first in even ones), so that each ratio compares two runs
+seconds apart: on a shared host a neighbour's load during one half of a run minutes long moved a ratio by 1.4x.
+The table gives each ratio's median over the rounds and its spread, the host (CPU, ISA, L3, threads) and the read
+bandwidth of each round, over 1 GiB and over the weights' size (the latter close to the former: the weights
+stream from DRAM; far above it: from cache). Batch 1 is also set against the memory roofline: weight bytes read
+per token over the bandwidth read just before and after the runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from datetime import date
 
 import torch
 
-from . import hf_peer
+from . import external_peers, hf_peer, host
+from .contestants import BATCH1, MIXED, HfContinuousBatching, HfGenerate, Ours, ours_batch1_tps
 from .report import publish
 from .workloads import Workload, batch1, mixed
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+PEERS = ("hf", "hf-cb", "vllm", "llamacpp")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -25,33 +34,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     p.add_argument("--device", default="cpu")
     p.add_argument("--num-requests", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=3, help="batch-1 runs; the median is reported")
-    p.add_argument("--peer", action="append", default=[], choices=["hf", "hf-cb", "vllm", "llamacpp"],
-                   help="peers to run (default: hf and hf-cb)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="rounds of ours and each peer in turn; a ratio is their median")
+    p.add_argument("--repeats", type=int, default=3, help="batch-1 runs per engine and round; the median counts")
+    p.add_argument("--peer", action="append", default=[], choices=PEERS, help="peers to run (default: hf)")
     p.add_argument("--skip-mixed", action="store_true")
-    p.add_argument("--json", dest="json_path", default=None, help="also write the table as JSON here")
-
-
-def read_bandwidth_gbs(device: torch.device, gib: float = 1.0, repeats: int = 5) -> float:
-    x = torch.ones(int(gib * (1 << 30)) // 4, dtype=torch.float32, device=device)
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        x.sum().item()
-        times.append(time.perf_counter() - started)
-    return x.numel() * 4 / statistics.median(times) / 1e9
+    p.add_argument("--json", dest="json_path", default=None, help="also write the figures as JSON here")
 
 
 def _weights(module: torch.nn.Module) -> dict[int, int]:
-    """Bytes by storage of the weights `module` serves from: dense parameters, or a quantized layer's kernel
-    and table (storages shared with another layer, as a tied LM head's, count once)."""
+    """Bytes by address of the weights `module` serves from: dense parameters, or a quantized layer's kernel
+    and table (a tensor shared with another layer, as a tied LM head's, counts once)."""
     found: dict[int, int] = {}
 
     def add(value, depth: int = 0) -> None:
         if isinstance(value, torch.Tensor) and value.is_mkldnn:  # oneDNN's own layout (a prepacked weight)
             found[id(value)] = value.numel() * value.element_size()
-        elif isinstance(value, torch.Tensor):
-            found[value.untyped_storage().data_ptr()] = value.untyped_storage().nbytes()
+        elif isinstance(value, torch.Tensor):  # by address: the weights may be views of one huge-page buffer
+            found[value.data_ptr()] = value.numel() * value.element_size()
         elif depth < 2 and hasattr(value, "__dict__"):
             for item in vars(value).values():
                 add(item, depth + 1)
@@ -77,48 +77,80 @@ def weight_bytes_per_token(model: torch.nn.Module) -> int:
     return weight_bytes(model) - sum(table_only.values())
 
 
-def ours_batch1_tps(llm, work: Workload) -> float:
-    from gpu_worker.engine import SamplingParams
-
-    engine = llm.engine
-    params = SamplingParams(temperature=0.0, max_tokens=work.output_lens[0], ignore_eos=True)
-    engine.add_request("bench-b1", work.prompts[0], params)
-    first = None
-    while engine.has_unfinished_requests():
-        if engine.step() and first is None:
-            first = time.perf_counter()
-    return (work.output_lens[0] - 1) / (time.perf_counter() - first) if work.output_lens[0] > 1 else 0.0
-
-
-def ours_batch1_against_roofline(llm, work: Workload, device: torch.device, weights: int, repeats: int) -> dict:
-    """Each run sits between two bandwidth readings and is compared with their mean: on a shared VM the
-    read bandwidth drifts by 2x within minutes, so one reading taken apart from the runs says little."""
-    runs = []
-    for _ in range(repeats):
-        before = read_bandwidth_gbs(device)
-        tps = ours_batch1_tps(llm, work)
-        bandwidth = (before + read_bandwidth_gbs(device)) / 2
-        runs.append((tps, bandwidth, tps * weights / (bandwidth * 1e9)))
-    tps, bandwidth, fraction = (statistics.median(column) for column in zip(*runs, strict=True))
-    return {"batch1_tps": {"tokenfleet": tps}, "read_bandwidth_gbs": bandwidth,
-            "roofline_tps": bandwidth * 1e9 / weights, "batch1_roofline_fraction": fraction}
+def _peers(names: list[str], model_dir, dtype: str, b1: Workload, mix: Workload, device: str, errors: dict) -> list:
+    """The peers that could be loaded; why each other one could not is recorded in `errors`."""
+    peers = []
+    if {"hf", "hf-cb"} & set(names):
+        model = hf_peer.load(model_dir, DTYPES[dtype]).to(device)
+        peers += [cls(model, b1, mix) for name, cls in (("hf", HfGenerate), ("hf-cb", HfContinuousBatching))
+                  if name in names]
+    for name in ("vllm", "llamacpp"):
+        if name in names:
+            try:
+                peers.append(external_peers.start(name, model_dir, dtype, b1, mix))
+            except external_peers.PeerError as exc:
+                errors[name] = str(exc)
+    return peers
 
 
-def ours_mixed(llm, work: Workload) -> dict:
-    from gpu_worker.engine import SamplingParams
+def _measure(engine, workload: str, repeats: int, weights: int, device: torch.device) -> dict:
+    """One engine's figure for a workload in a round; batch 1 sits between two bandwidth readings."""
+    if workload == MIXED:
+        return {"tps": engine.measure(MIXED)}
+    bandwidth, rates = host.between_bandwidth_readings(lambda: engine.measure(BATCH1, repeats), device)
+    tps = statistics.median(rates)
+    return {"tps": tps, "bandwidth_gbs": bandwidth, "roofline_fraction": tps * weights / (bandwidth * 1e9)}
 
-    engine = llm.engine
-    preempted_before = engine.scheduler.num_preemptions
-    for i, (prompt, n) in enumerate(zip(work.prompts, work.output_lens, strict=True)):
-        engine.add_request(f"bench-m{i}", prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
-    produced, usage = 0, []
-    started = time.perf_counter()
-    while engine.has_unfinished_requests():
-        produced += sum(len(c.token_ids) for out in engine.step() for c in out.outputs)
-        usage.append(engine.kv.usage)
-    elapsed = time.perf_counter() - started
-    return {"tps": produced / elapsed, "kv_usage_peak": max(usage), "kv_usage_mean": statistics.mean(usage),
-            "preemptions": engine.scheduler.num_preemptions - preempted_before, "seconds": elapsed}
+
+def interleave(ours, peers: list, workloads: list[str], args, weights: int, device: torch.device,
+               errors: dict) -> list[dict]:
+    """Per round: its bandwidth readings and, for each peer and workload, ours and the peer back to back. A peer
+    that fails is recorded in `errors` and leaves the rounds."""
+    rounds = []
+    for r in range(args.rounds):
+        pairs = []
+        for peer in list(peers) or [None]:
+            for workload in workloads:
+                if peer is not None and workload not in peer.workloads:
+                    continue
+                order = [ours] if peer is None else [ours, peer] if r % 2 == 0 else [peer, ours]
+                try:
+                    figures = {e.label: _measure(e, workload, args.repeats, weights, device) for e in order}
+                except external_peers.PeerError as exc:  # reported; the other peers' rounds go on
+                    errors[peer.name] = str(exc)
+                    peers.remove(peer)
+                    break
+                pairs.append({"workload": workload, "order": [e.label for e in order], "figures": figures})
+        rounds.append({"read_bandwidth_gbs": host.read_bandwidth_gbs(device),
+                       "read_bandwidth_weights_gbs": host.read_bandwidth_gbs(device, weights), "pairs": pairs})
+        print(f"round {r + 1}/{args.rounds} done", flush=True)
+    return rounds
+
+
+def spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "values": values}
+
+
+def summarize(rounds: list[dict]) -> dict:
+    """Each engine's median tokens/s per workload, ours' batch-1 roofline fraction, and each peer's ratio
+    (ours / peer within a pair) with its spread over the rounds."""
+    tps: dict[str, dict[str, list]] = {BATCH1: {}, MIXED: {}}
+    ratios: dict[str, dict[str, list]] = {BATCH1: {}, MIXED: {}}
+    fractions: dict[str, list] = {}
+    for rnd in rounds:
+        for pair in rnd["pairs"]:
+            figures = pair["figures"]
+            for label, f in figures.items():
+                tps[pair["workload"]].setdefault(label, []).append(f["tps"])
+                if "roofline_fraction" in f:
+                    fractions.setdefault(label, []).append(f["roofline_fraction"])
+            for label, f in figures.items():
+                if label != Ours.label:
+                    ratios[pair["workload"]].setdefault(label, []).append(figures[Ours.label]["tps"] / f["tps"])
+    return {"batch1_tps": {k: statistics.median(v) for k, v in tps[BATCH1].items()},
+            "mixed_tps": {k: statistics.median(v) for k, v in tps[MIXED].items()},
+            "ratios": {w: {k: spread(v) for k, v in by_peer.items()} for w, by_peer in ratios.items() if by_peer},
+            "roofline_fraction": {k: statistics.median(v) for k, v in fractions.items()}}
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -126,64 +158,55 @@ def run(args: argparse.Namespace) -> dict:
     from gpu_worker.engine.checkpoint import resolve_model_path
 
     device = torch.device(args.device)
-    dtype = DTYPES[args.dtype]
     model_dir = resolve_model_path(args.model)
-    peers = args.peer or ["hf", "hf-cb"]
-    llm = LLM(str(model_dir), dtype=args.dtype.replace("bf16", "bfloat16").replace("fp32", "float32"),
-              device=args.device)
+    llm = LLM(str(model_dir), dtype={"bf16": "bfloat16", "fp32": "float32"}[args.dtype], device=args.device,
+              enable_prefix_caching=False)
     vocab = llm.engine.model_config.vocab_size
     b1, mix = batch1(vocab), mixed(vocab, args.num_requests)
     weights = weight_bytes_per_token(llm.engine.runner.model)
-    result = {"date": date.today().isoformat(), "model": args.model, "dtype": args.dtype, "device": args.device,
-              "threads": torch.get_num_threads(), "weight_bytes": weights, "batch1_tps": {}, "mixed_tps": {}}
     ours_batch1_tps(llm, batch1(vocab, 16, 4, seed=1))  # warm-up
-    result.update(ours_batch1_against_roofline(llm, b1, device, weights, args.repeats))
-    if not args.skip_mixed:
-        m = ours_mixed(llm, mix)
-        result["mixed_tps"]["tokenfleet"] = m["tps"]
-        result.update(kv_usage_peak=m["kv_usage_peak"], kv_usage_mean=m["kv_usage_mean"],
-                      preemptions=m["preemptions"])
-    del llm
-    if {"hf", "hf-cb"} & set(peers):
-        _run_hf(model_dir, dtype, peers, b1, mix, args, result)
-    for peer in {"vllm", "llamacpp"} & set(peers):
-        from . import external_peers
-
-        external_peers.run(peer, model_dir, args, b1, mix, result)
+    result = {"date": date.today().isoformat(), "model": args.model, "dtype": args.dtype, "device": args.device,
+              "host": host.describe(), "weight_bytes": weights, "rounds_run": args.rounds, "peer_errors": {}}
+    ours = Ours(llm, b1, mix)
+    peers = _peers(args.peer or ["hf"], model_dir, args.dtype, b1, mix, args.device, result["peer_errors"])
+    opened = list(peers)
+    try:
+        rounds = interleave(ours, peers, [BATCH1] + ([] if args.skip_mixed else [MIXED]), args, weights, device,
+                            result["peer_errors"])
+    finally:
+        for peer in opened:
+            peer.close()
+    result.update(summarize(rounds), rounds=rounds)
+    if ours.mixed_runs:
+        runs = ours.mixed_runs
+        result.update(kv_usage_peak=max(m["kv_usage_peak"] for m in runs),
+                      kv_usage_mean=statistics.mean(m["kv_usage_mean"] for m in runs),
+                      preemptions=sum(m["preemptions"] for m in runs))
     return result
 
 
-def _run_hf(model_dir, dtype, peers, b1: Workload, mix: Workload, args, result: dict) -> None:
-    model = hf_peer.load(model_dir, dtype).to(args.device)
-    if "hf" in peers:
-        result["batch1_tps"]["hf-generate"] = statistics.median(
-            hf_peer.batch1_decode_tps(model, b1) for _ in range(args.repeats))
-        if not args.skip_mixed:
-            result["mixed_tps"]["hf-generate (static 16)"] = hf_peer.static_batches_tps(model, mix)
-    if "hf-cb" in peers and not args.skip_mixed:
-        try:
-            result["mixed_tps"]["hf-generate_batch (continuous)"] = hf_peer.continuous_batching_tps(model, mix)
-        except Exception as exc:  # a peer's failure is reported, not fatal to the benchmark
-            result.setdefault("peer_errors", {})["hf-cb"] = f"{type(exc).__name__}: {exc}"
-
-
 def format_table(r: dict) -> str:
-    lines = [f"tokenfleet bench engine — {r['model']} {r['dtype']} on {r['device']} ({r['threads']} threads), "
-             f"{r['date']}",
-             f"read bandwidth {r['read_bandwidth_gbs']:.1f} GB/s (median), "
-             f"weights/token {r['weight_bytes'] / 1e6:.0f} MB, roofline {r['roofline_tps']:.0f} tok/s", "",
-             "| workload | engine | tok/s | tokenfleet / engine |", "|---|---|---:|---:|"]
-    for key, label in (("batch1_tps", "batch 1 decode"), ("mixed_tps", "mixed")):
-        ours = r[key].get("tokenfleet")
+    lines = [f"tokenfleet bench engine — {r['model']} {r['dtype']} on {r['device']}, {r['date']}, "
+             f"{r['rounds_run']} interleaved rounds", host.describe_line(r["host"], r["weight_bytes"]),
+             "read bandwidth per round, GB/s (over 1 GiB / over the weights' size): " + ", ".join(
+                 f"{rnd['read_bandwidth_gbs']:.1f} / {rnd['read_bandwidth_weights_gbs']:.1f}" for rnd in r["rounds"]),
+             "", "| workload | engine | tok/s (median) | tokenfleet / engine: median | spread over rounds |",
+             "|---|---|---:|---:|---|"]
+    for workload, key, label in ((BATCH1, "batch1_tps", "batch 1 decode"), (MIXED, "mixed_tps", "mixed")):
         for name, tps in r[key].items():
-            ratio = "—" if name == "tokenfleet" or not ours or not tps else f"{ours / tps:.2f}×"
-            lines.append(f"| {label} | {name} | {tps:.1f} | {ratio} |")
-    lines.append(f"\nbatch-1 fraction of roofline (median over runs, each against the bandwidth read around it): "
-                 f"{r['batch1_roofline_fraction']:.0%}")
+            ratio = r["ratios"].get(workload, {}).get(name)
+            cells = ("—", "—") if ratio is None else (
+                f"{ratio['median']:.2f}×", f"{ratio['min']:.2f}–{ratio['max']:.2f}× "
+                                           f"({', '.join(f'{v:.2f}' for v in ratio['values'])})")
+            lines.append(f"| {label} | {name} | {tps:.1f} | {cells[0]} | {cells[1]} |")
+    lines.append("\nbatch-1 fraction of the read roofline (median over rounds, each run against the bandwidth read "
+                 "around it): " + ", ".join(f"{k} {v:.0%}" for k, v in r["roofline_fraction"].items()))
+    if "hf-generate" in r["mixed_tps"]:
+        lines.append("hf-generate runs the mixed workload in static batches of 16, each to its longest output")
     if "kv_usage_peak" in r:
-        lines.append(f"mixed: KV usage peak {r['kv_usage_peak']:.0%}, mean {r['kv_usage_mean']:.0%}, "
+        lines.append(f"mixed (ours): KV usage peak {r['kv_usage_peak']:.0%}, mean {r['kv_usage_mean']:.0%}, "
                      f"preemptions {r['preemptions']}")
-    for peer, err in r.get("peer_errors", {}).items():
+    for peer, err in r["peer_errors"].items():
         lines.append(f"peer {peer} failed: {err}")
     return "\n".join(lines)
 

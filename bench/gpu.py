@@ -30,7 +30,9 @@ from pathlib import Path
 
 import torch
 
-from . import engine, hf_peer
+from . import hf_peer, host
+from .contestants import ours_batch1_tps, ours_mixed
+from .engine import weight_bytes_per_token
 from .workloads import Workload, batch1, mixed
 
 # An engine sizes its KV cache to gpu_memory_utilization of the whole card less everything in use on it then
@@ -64,18 +66,19 @@ def _llm(engines: dict, mode: str, args):
 
 
 def bandwidth(device: torch.device, result: dict) -> None:
-    result["hbm_read_gbs"] = engine.read_bandwidth_gbs(device)
+    result["hbm_read_gbs"] = host.read_bandwidth_gbs(device)
 
 
 def batch1_decode(args, device: torch.device, engines: dict, result: dict) -> None:
     llm = _llm(engines, "graphs", args)
     vocab = llm.engine.model_config.vocab_size
-    weights = engine.weight_bytes_per_token(llm.engine.runner.model)
-    engine.ours_batch1_tps(llm, batch1(vocab, 16, 4, seed=1))  # warm-up
-    r = engine.ours_batch1_against_roofline(llm, batch1(vocab), device, weights, repeats=3)
-    result.update(weight_bytes_per_token=weights, batch1_tps=r["batch1_tps"]["tokenfleet"],
-                  batch1_bandwidth_gbs=r["read_bandwidth_gbs"], roofline_tps=r["roofline_tps"],
-                  batch1_roofline_fraction=r["batch1_roofline_fraction"])
+    weights = weight_bytes_per_token(llm.engine.runner.model)
+    ours_batch1_tps(llm, batch1(vocab, 16, 4, seed=1))  # warm-up
+    work = batch1(vocab)
+    bandwidth, rates = host.between_bandwidth_readings(lambda: [ours_batch1_tps(llm, work) for _ in range(3)], device)
+    tps = statistics.median(rates)
+    result.update(weight_bytes_per_token=weights, batch1_tps=tps, batch1_bandwidth_gbs=bandwidth,
+                  roofline_tps=bandwidth * 1e9 / weights, batch1_roofline_fraction=tps * weights / (bandwidth * 1e9))
 
 
 def concurrent(args, device: torch.device, engines: dict, result: dict) -> None:
@@ -83,8 +86,8 @@ def concurrent(args, device: torch.device, engines: dict, result: dict) -> None:
     n = args.concurrent
     work = mixed(graphs.engine.model_config.vocab_size, n, prompt_range=(112, 144), output_range=(128, 128), seed=2)
     engines["hf"] = hf_peer.load(args.model_dir, torch.bfloat16).to(device)
-    runs = {"ours_graphs": lambda w: engine.ours_mixed(graphs, w)["tps"],
-            "ours_eager": lambda w: engine.ours_mixed(eager, w)["tps"],
+    runs = {"ours_graphs": lambda w: ours_mixed(graphs, w)["tps"],
+            "ours_eager": lambda w: ours_mixed(eager, w)["tps"],
             "hf_generate": lambda w: hf_peer.static_batches_tps(engines["hf"], w, batch_size=n)}
     for run in runs.values():  # warm-up: the same prompts, 4 new tokens
         run(Workload(work.prompts, [4] * n))

@@ -15,7 +15,7 @@ import torch
 
 from gpu_worker.engine.linear import Linear
 
-from .engine import ours_batch1_tps
+from .contestants import ours_batch1_tps
 from .quant import mode_configuration
 from .workloads import batch1
 

@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 
 from . import external_peers
-from .engine import ours_batch1_tps, ours_mixed, weight_bytes
+from .contestants import ours_batch1_tps, ours_mixed
+from .engine import weight_bytes
 from .quality import Configuration, EngineSide, Settings, measure, prepare_inputs
 from .quality_tasks import agreement, load_tasks, perplexity
 from .report import publish

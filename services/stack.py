@@ -109,7 +109,7 @@ def start(host: str, port: int, workers: list[tuple[str, str]], env: dict[str, s
     cli = [sys.executable, "-m", "services.cli"]
     # CPU workers share the machine: split its cores between them instead of oversubscribing (each torch
     # thread pool spin-waits, and two pools on the same cores slow both and the gateway with them).
-    threads = env.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // len(workers)))
+    threads = env.get("OMP_NUM_THREADS") or str(max(1, len(os.sched_getaffinity(0)) // len(workers)))
     workers_env = {**env, "OMP_NUM_THREADS": threads, **(worker_env or {})}
     services = [Service("gateway", cli + ["gateway", "--host", host, "--port", str(port)], env),
                 Service("router", cli + ["router"], env), Service("accounting", cli + ["accounting"], env),

@@ -56,16 +56,21 @@ def test_generate_rejects_bad_input_with_a_message(model_dir):
     assert "max_tokens" in proc.stderr
 
 
-def test_bench_engine_writes_a_table_and_json(model_dir, tmp_path):
+def test_bench_engine_interleaves_ours_and_each_peer_in_rounds(model_dir, tmp_path):
     out = tmp_path / "bench.json"
     proc = _tokenfleet("bench", "engine", "--model", model_dir, "--dtype", "fp32", "--num-requests", "4",
-                       "--repeats", "1", "--peer", "hf", "--json", str(out))
+                       "--rounds", "2", "--repeats", "1", "--peer", "hf", "--json", str(out))
     assert proc.returncode == 0, proc.stderr
     figures = json.loads(out.read_text())
-    assert set(figures["batch1_tps"]) == {"tokenfleet", "hf-generate"}
-    assert set(figures["mixed_tps"]) == {"tokenfleet", "hf-generate (static 16)"}
-    assert all(v > 0 for v in figures["mixed_tps"].values())
-    assert "| mixed | hf-generate (static 16) |" in proc.stdout
+    assert [pair["order"] for rnd in figures["rounds"] for pair in rnd["pairs"]] == (
+        [["tokenfleet", "hf-generate"]] * 2 + [["hf-generate", "tokenfleet"]] * 2)
+    assert set(figures["batch1_tps"]) == set(figures["mixed_tps"]) == {"tokenfleet", "hf-generate"}
+    for workload in ("batch1", "mixed"):
+        ratio = figures["ratios"][workload]["hf-generate"]
+        assert len(ratio["values"]) == 2 and ratio["min"] <= ratio["median"] <= ratio["max"]
+    assert all(rnd["read_bandwidth_gbs"] > 0 for rnd in figures["rounds"])
+    assert figures["host"]["threads"] >= 1 and figures["host"]["cpus"]
+    assert "| mixed | hf-generate |" in proc.stdout and "ISA" in proc.stdout
 
 
 def test_bench_spec_reports_each_proposer_against_no_speculation_per_prompt_set_and_batch(model_dir, tmp_path):

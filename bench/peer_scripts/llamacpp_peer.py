@@ -1,15 +1,16 @@
 """Runs in the llama.cpp virtual environment: converts the checkpoint with the `convert_hf_to_gguf.py`
 shipped in llama-cpp-python's sdist (and quantizes it with llama.cpp's quantizer), then measures batch-1 greedy
-decode."""
+decode whenever the benchmark asks (`peer_protocol.py`)."""
 
 import json
-import statistics
 import subprocess
 import sys
 import tarfile
 import tempfile
 import time
 from pathlib import Path
+
+from peer_protocol import serve
 
 # What the converter imports from the sdist's vendored llama.cpp besides itself.
 CONVERTER_DIRS = ("gguf-py/", "conversion/")
@@ -77,7 +78,7 @@ def quantize(source: Path, out: Path, dtype: str) -> Path:
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, FTYPES[dtype])
     params.allow_requantize = True  # a quantized source (SmolLM2 ships as Q4_1) is requantized from its values
-    params.nthread = 2
+    params.nthread = 2  # once per checkpoint, not measured
     if llama_cpp.llama_model_quantize(str(source).encode(), str(out).encode(), params) != 0:
         raise RuntimeError(f"llama.cpp could not quantize {source} to {dtype}")
     return out
@@ -99,12 +100,11 @@ def main(path: str) -> None:
 
     spec = json.loads(Path(path).read_text())
     gguf = ensure_gguf(spec["model_dir"], spec["dtype"], Path(spec["work_dir"]), llama_cpp.__version__)
-    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=1024, n_threads=2, n_batch=512, verbose=False)
+    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=1024, n_threads=spec["threads"], n_batch=512, verbose=False)
     prompt, n = spec["batch1"]["prompts"][0], spec["batch1"]["output_lens"][0]
     decode_rate(llm, prompt, 4)  # warm-up
-    rates = [decode_rate(llm, prompt, n) for _ in range(spec["repeats"])]
-    figures = {"version": llama_cpp.__version__, "batch1_tps": statistics.median(rates)}
-    print("TOKENFLEET_PEER_RESULT", json.dumps(figures))
+    serve(llama_cpp.__version__,
+          {"batch1": lambda request: [decode_rate(llm, prompt, n) for _ in range(request["repeats"])]})
 
 
 if __name__ == "__main__":

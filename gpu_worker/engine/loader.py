@@ -10,6 +10,9 @@ dense tensor arrives for them, so a quantized model never holds a dense copy.
 
 from __future__ import annotations
 
+import os
+from collections import Counter
+
 import torch
 from torch import nn
 
@@ -97,6 +100,23 @@ def _install_kernels(model: Transformer, checkpoint: Checkpoint, dtype: torch.dt
     kv_format.install(model, device)
     if batch_invariant:
         _require_batch_invariance(model, checkpoint)
+
+
+def kernel_summary(model: Transformer) -> str:
+    """Which kernels serve the model, for the start-up log; on CPU also what they were chosen by (the CPU, its
+    instruction sets, the threads and the CPUs this process may run on)."""
+    from .kernels import cpu_isa, cpu_kernels, cpu_model
+
+    linears = Counter(type(m.kernel).__name__ for m in model.modules() if isinstance(m, Linear))
+    attention = Counter(type(layer.self_attn.attn).__name__ for layer in model.layers)
+    summary = "; ".join(f"{what}: " + ", ".join(f"{name} x{n}" for name, n in found.items())
+                        for what, found in (("linear", linears), ("attention", attention)))
+    if next(model.parameters()).device.type != "cpu":
+        return summary
+    native = cpu_kernels()
+    return (f"{cpu_model()}, ISA {' '.join(cpu_isa()) or 'baseline'}, {torch.get_num_threads()} threads on CPUs "
+            f"{sorted(os.sched_getaffinity(0))}, native bf16 kernels {native.__name__ if native else 'none'}; "
+            + summary)
 
 
 def _require_batch_invariance(model: Transformer, checkpoint: Checkpoint) -> None:

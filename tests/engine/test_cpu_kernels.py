@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+from gpu_worker.engine import LLM
 from gpu_worker.engine.attention import AttentionMetadata, CpuPagedAttention, HeadLayout, TorchPagedAttention
-from gpu_worker.engine.kernels import cpu_has_avx512_bf16, cpu_kernels, quant_cpu_kernels
+from gpu_worker.engine.kernels import (
+    AMX_BF16_FLAGS,
+    cpu_has,
+    cpu_has_avx512_bf16,
+    cpu_kernels,
+    cpu_model,
+    quant_cpu_kernels,
+)
 from gpu_worker.engine.linear import (
     Linear,
     OneDnnPackedLinearKernel,
@@ -91,6 +101,19 @@ def test_packed_linear_matches_the_reference_for_any_row_count(rows, bias):
     with torch.inference_mode():
         want = F.linear(x.float(), layer.weight.float(), None if layer.bias is None else layer.bias.float())
         _assert_close_in_bf16(layer(x), want)
+
+
+@pytest.mark.skipif(not cpu_has(AMX_BF16_FLAGS), reason="the CPU has no AMX")
+def test_on_a_cpu_with_amx_the_native_kernels_are_built_for_it():
+    assert cpu_kernels().__name__.endswith("_amx")
+
+
+def test_the_engine_logs_the_cpu_and_the_kernels_it_chose(make_checkpoint, caplog):
+    with caplog.at_level(logging.INFO, logger="gpu_worker.engine.llm_engine"):
+        LLM(str(make_checkpoint("llama")), dtype="float32")
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("kernels:"))
+    assert cpu_model() in line and f"{torch.get_num_threads()} threads" in line
+    assert "linear: TorchLinearKernel x" in line and "attention: TorchPagedAttention x" in line
 
 
 def test_float32_layers_keep_the_reference_kernel():

@@ -29,6 +29,23 @@ def cpu_has_avx512_bf16() -> bool:
     return "avx512_bf16" in cpu_flags()
 
 
+# The instruction sets the CPU kernels are chosen by, as start-up logs and benchmarks name them.
+KERNEL_ISAS = ("amx_bf16", "amx_int8", "avx512_bf16", "avx512_vnni", "avx512f", "avx_vnni", "avx2", "fma")
+
+
+def cpu_isa() -> list[str]:
+    return [isa for isa in KERNEL_ISAS if isa in cpu_flags()]
+
+
+@functools.cache
+def cpu_model() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return "unknown CPU"
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "unknown CPU")
+
+
 @functools.cache
 def triton_available() -> bool:
     """Whether Triton imports here (the CUDA kernels' compiler; the CPU path never needs it)."""
@@ -42,6 +59,7 @@ def triton_available() -> bool:
 QUANT_CPU_FLAGS = frozenset({"avx2", "fma", "f16c"})
 QUANT_VNNI_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"})
 QUANT_AMX_FLAGS = frozenset({"amx_tile", "amx_bf16", "avx512_bf16", "avx512bw", "avx512vl"})
+AMX_BF16_FLAGS = frozenset({"amx_tile", "amx_bf16", "avx512_bf16"})
 
 
 def _build_dir() -> Path:
@@ -66,15 +84,24 @@ def _build(name: str, sources: list[str], cflags: list[str]):
         return None
 
 
-CPU_KERNELS = "tokenfleet_cpu_kernels"
+def _cpu_kernels_build() -> tuple[str, list[str]]:
+    """The bf16 kernels' module name and flags: with AMX where the CPU has it (decode attention's scores on tiles),
+    AVX512-BF16 alone elsewhere."""
+    if cpu_has(AMX_BF16_FLAGS):
+        return "tokenfleet_cpu_kernels_amx", ["-mavx512f", "-mavx512bf16", "-mamx-tile", "-mamx-bf16",
+                                              "-DTOKENFLEET_AMX"]
+    return "tokenfleet_cpu_kernels", ["-mavx512f", "-mavx512bf16"]
+
+
+CPU_KERNEL_SOURCES = ("cpu_kernels.cpp", "cpu_attention_kernels.cpp")
 
 
 def cpu_kernels_built() -> bool:
     """Whether `cpu_kernels` has a module built (from sources no newer than it) to load at once."""
-    built = _build_dir() / f"{CPU_KERNELS}.so"
+    built = _build_dir() / f"{_cpu_kernels_build()[0]}.so"
     here = Path(__file__).parent
     return built.is_file() and all(built.stat().st_mtime >= (here / source).stat().st_mtime
-                                   for source in ("cpu_kernels.cpp", "cpu_attention_kernels.cpp", "cpu_kernels.h"))
+                                   for source in (*CPU_KERNEL_SOURCES, "cpu_kernels.h", "amx_tiles.h"))
 
 
 @functools.cache
@@ -83,8 +110,8 @@ def cpu_kernels():
     and int8 caches) as one module, or None (it needs AVX512-BF16)."""
     if not cpu_has_avx512_bf16():
         return None
-    return _build(CPU_KERNELS, ["cpu_kernels.cpp", "cpu_attention_kernels.cpp"],
-                  ["-mavx512f", "-mavx512bf16"])
+    name, flags = _cpu_kernels_build()
+    return _build(name, list(CPU_KERNEL_SOURCES), flags)
 
 
 @functools.cache

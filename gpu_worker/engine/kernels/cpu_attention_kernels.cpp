@@ -1,9 +1,13 @@
 // Paged KV writes and decode attention on CPU, for a bf16 cache and an int8 one (a scale per token and head),
 // checked against their torch references in tests/engine/test_cpu_kernels.py and test_kv_cache_int8.py.
+#include <type_traits>
 #include <vector>
 
 #include "cpu_kernels.h"
 #include "sum16.h"
+#ifdef TOKENFLEET_AMX
+#include "amx_tiles.h"
+#endif
 
 namespace {
 
@@ -30,8 +34,63 @@ struct Bf16Rows {
     return acc;
   }
   float key_scale(int64_t) const { return 1.0f; }
-  float value_scale(int64_t) const { return 1.0f; }
-  __m512 value16(int64_t r, int64_t d) const { return load_bf16x16(v + r * D + d); }
+
+  // acc[g * D + d] = sum over t < L of p[g][t] * v[row t][d] for G heads' probabilities p (fp32, rows of L): two
+  // tokens per dpbf16, each pair of value rows interleaved (unpack) against a pair of probabilities rounded to bf16,
+  // as torch's CPU flash attention rounds them for its product with V. Converting and multiplying each value in
+  // fp32 took half as many instructions again, and the kernel was bound by them, not by its reads.
+  void attend_values(const float* p, int64_t L, int64_t G, const int64_t* token_rows, float* acc,
+                     std::vector<uint16_t>& pairs) const {
+    const int64_t L2 = (L + 1) & ~int64_t{1};  // an odd count's last token pairs with a zero probability
+    pairs.assign(G * L2, 0);
+    for (int64_t g = 0; g < G; g++)
+      for (int64_t t = 0; t < L; t++) pairs[g * L2 + t] = to_bf16(p[g * L + t]);
+    for (int64_t d0 = 0; d0 < D; d0 += 64) {
+      const int64_t halves = std::min<int64_t>(2, (D - d0) / 32);
+      for (int64_t g0 = 0; g0 < G; g0 += 4) {
+        const int64_t gn = std::min<int64_t>(4, G - g0);
+        __m512 a[4][4];  // [head][low and high pairs of each 32 columns]
+        for (int64_t g = 0; g < 4; g++)
+          for (int64_t c = 0; c < 4; c++) a[g][c] = _mm512_setzero_ps();
+        for (int64_t t = 0; t < L; t += 2) {
+          const int64_t r0 = token_rows[t], r1 = t + 1 < L ? token_rows[t + 1] : r0;
+          if (t + kPrefetchAhead + 1 < L) {
+            prefetch(v + token_rows[t + kPrefetchAhead] * D + d0, 32 * halves * 2);
+            prefetch(v + token_rows[t + kPrefetchAhead + 1] * D + d0, 32 * halves * 2);
+          }
+          __m512bh lo[2], hi[2];
+          for (int64_t h = 0; h < halves; h++) {
+            const __m512i x0 = _mm512_loadu_si512(v + r0 * D + d0 + 32 * h);
+            const __m512i x1 = _mm512_loadu_si512(v + r1 * D + d0 + 32 * h);
+            lo[h] = (__m512bh)_mm512_unpacklo_epi16(x0, x1);
+            hi[h] = (__m512bh)_mm512_unpackhi_epi16(x0, x1);
+          }
+          for (int64_t g = 0; g < gn; g++) {
+            uint32_t pair;
+            std::memcpy(&pair, pairs.data() + (g0 + g) * L2 + t, 4);
+            const __m512bh pp = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+            for (int64_t h = 0; h < halves; h++) {
+              a[g][2 * h] = _mm512_dpbf16_ps(a[g][2 * h], lo[h], pp);
+              a[g][2 * h + 1] = _mm512_dpbf16_ps(a[g][2 * h + 1], hi[h], pp);
+            }
+          }
+        }
+        // Lane 4k + i of the low pairs is column 8k + i of its 32, of the high pairs column 8k + 4 + i.
+        for (int64_t g = 0; g < gn; g++)
+          for (int64_t h = 0; h < halves; h++) {
+            alignas(64) float low[16], high[16];
+            _mm512_store_ps(low, a[g][2 * h]);
+            _mm512_store_ps(high, a[g][2 * h + 1]);
+            float* out = acc + (g0 + g) * D + d0 + 32 * h;
+            for (int64_t k = 0; k < 4; k++)
+              for (int64_t i = 0; i < 4; i++) {
+                out[8 * k + i] = low[4 * k + i];
+                out[8 * k + 4 + i] = high[4 * k + i];
+              }
+          }
+      }
+    }
+  }
 };
 
 // int8 rows dequantized in registers (the query in fp32 times the int8 key, then the row's scale), so the
@@ -52,9 +111,77 @@ struct Int8Rows {
     return acc;
   }
   float key_scale(int64_t r) const { return bf16_to_float(k_scale[r]); }
-  float value_scale(int64_t r) const { return bf16_to_float(v_scale[r]); }
-  __m512 value16(int64_t r, int64_t d) const { return int8x16(v + r * D + d); }
+
+  // acc[g * D + d] = sum over t < L of p[g][t] * v[row t][d] * scale[row t]: 64 columns at a time, each value
+  // converted once per token, accumulated in registers for 4 heads.
+  void attend_values(const float* p, int64_t L, int64_t G, const int64_t* token_rows, float* acc,
+                     std::vector<uint16_t>&) const {
+    for (int64_t g0 = 0; g0 < G; g0 += 4) {
+      const int64_t gn = std::min<int64_t>(4, G - g0);
+      for (int64_t d0 = 0; d0 < D; d0 += 64) {
+        const int64_t cn = std::min<int64_t>(4, (D - d0) / 16);
+        __m512 a[4][4];
+        for (int64_t g = 0; g < 4; g++)
+          for (int64_t c = 0; c < 4; c++) a[g][c] = _mm512_setzero_ps();
+        for (int64_t t = 0; t < L; t++) {
+          const int64_t r = token_rows[t];
+          if (t + kPrefetchAhead < L)
+            prefetch(reinterpret_cast<const char*>(v) + (token_rows[t + kPrefetchAhead] * D + d0) * kBytes,
+                     16 * cn * kBytes);
+          __m512 values[4];
+          for (int64_t c = 0; c < cn; c++) values[c] = int8x16(v + r * D + d0 + 16 * c);
+          const float vs = bf16_to_float(v_scale[r]);
+          for (int64_t g = 0; g < gn; g++) {
+            const __m512 weight = _mm512_set1_ps(p[(g0 + g) * L + t] * vs);
+            for (int64_t c = 0; c < cn; c++) a[g][c] = _mm512_fmadd_ps(weight, values[c], a[g][c]);
+          }
+        }
+        for (int64_t g = 0; g < gn; g++)
+          for (int64_t c = 0; c < cn; c++) _mm512_storeu_ps(acc + (g0 + g) * D + d0 + 16 * c, a[g][c]);
+      }
+    }
+  }
 };
+
+#ifdef TOKENFLEET_AMX
+// Scores on AMX (built where the CPU has it): a task's G query heads as B tiles, one per 32 dims, b[h][kp][2g + j] =
+// q[g][32h + 2kp + j] (heads past G zero), and sixteen keys a tile A straight from the cache (16 rows at its row
+// stride): C[key][head] summed over the tiles. The dot products and their reductions (sum16) took most of the
+// kernel's instructions, and it was bound by them as much as by its reads.
+struct QueryTiles {
+  std::vector<uint16_t> b;
+  int64_t D = 0, G = 0;
+
+  void load(const uint16_t* q, int64_t heads, int64_t dim) {
+    G = heads, D = dim;
+    b.assign(D / 32 * 512, 0);
+    for (int64_t g = 0; g < G; g++)
+      for (int64_t d = 0; d < D; d++) b[(d / 32) * 512 + (d % 32) / 2 * 32 + 2 * g + d % 2] = q[g * D + d];
+  }
+
+  // scores[g * L + i] = key_scale[i] * (q_g . key i) for i < n, keys the 16 rows from `keys` (all in one block).
+  void score16(const uint16_t* keys, const float* key_scale, int64_t n, float* scores, int64_t L) const {
+    _tile_zero(0);
+    for (int64_t h = 0; h < D / 32; h++) {
+      _tile_loadd(1, keys + 32 * h, D * 2);
+      _tile_loadd(2, b.data() + h * 512, 64);
+      _tile_dpbf16ps(0, 1, 2);
+    }
+    alignas(64) float c[16 * 16];
+    _tile_stored(0, c, 64);
+    const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                              _mm512_set1_epi32(16));
+    const __m512 ks = _mm512_load_ps(key_scale);
+    for (int64_t g = 0; g < G; g++)
+      _mm512_mask_storeu_ps(scores + g * L, static_cast<__mmask16>((1u << n) - 1),
+                            _mm512_mul_ps(_mm512_i32gather_ps(_mm512_add_epi32(column, _mm512_set1_epi32(g)), c, 4), ks));
+  }
+};
+
+// Whether this call's bf16 scores go through tiles: Linux lets this process use them, the query groups fit a tile's
+// 16 columns, and blocks hold whole tiles of keys.
+bool tiles_serve(int64_t G, int64_t block_size) { return G <= 16 && block_size % 16 == 0 && amx_permitted(); }
+#endif
 
 // Decode attention straight from the paged cache: one query token per sequence, H query heads sharing
 // KVH key/value heads. For each (sequence, KV head) it reads that head's keys and values block by block
@@ -75,10 +202,18 @@ torch::Tensor paged_decode(const torch::Tensor& q, const Rows& rows, int64_t KVH
   const int64_t* tp = tables.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
   const int64_t max_blocks = tables.size(1), row_bytes = D * Rows::kBytes;
+#ifdef TOKENFLEET_AMX
+  const bool tiles = std::is_same_v<Rows, Bf16Rows> && tiles_serve(G, block_size);
+#endif
 #pragma omp parallel
   {
     std::vector<float> scores, acc, qf(G * D);
     std::vector<int64_t> token_rows;
+    std::vector<uint16_t> pairs;
+#ifdef TOKENFLEET_AMX
+    QueryTiles query_tiles;
+    if (tiles) configure_tiles();
+#endif
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < B * KVH; task++) {
       const int64_t b = task / KVH, kvh = task % KVH, L = lp[b];
@@ -107,6 +242,15 @@ torch::Tensor paged_decode(const torch::Tensor& q, const Rows& rows, int64_t KVH
           if (t + kPrefetchAhead < L) prefetch(reinterpret_cast<const char*>(rows.k) + row(t + kPrefetchAhead) * row_bytes,
                                                row_bytes);
         }
+#ifdef TOKENFLEET_AMX
+        if constexpr (std::is_same_v<Rows, Bf16Rows>) {
+          if (tiles) {
+            if (t0 == 0) query_tiles.load(qb, G, D);
+            query_tiles.score16(rows.k + r[0] * D, key_scale, n, scores.data() + t0, L);
+            continue;
+          }
+        }
+#endif
         for (int64_t g = 0; g < G; g++) {
           __m512 dots[16];
           for (int64_t i = 0; i < 16; i++) dots[i] = i < n ? rows.dot(qb + g * D, qf.data() + g * D, r[i]) : _mm512_setzero_ps();
@@ -115,34 +259,13 @@ torch::Tensor paged_decode(const torch::Tensor& q, const Rows& rows, int64_t KVH
         }
       }
       for (int64_t g = 0; g < G; g++) softmax_inplace(scores.data() + g * L, L);
-      // Values: 64 columns at a time, converted once per token, accumulated in registers for 4 heads.
-      for (int64_t g0 = 0; g0 < G; g0 += 4) {
-        const int64_t gn = std::min<int64_t>(4, G - g0);
-        for (int64_t d0 = 0; d0 < D; d0 += 64) {
-          const int64_t cn = std::min<int64_t>(4, (D - d0) / 16);
-          __m512 a[4][4];
-          for (int64_t g = 0; g < 4; g++)
-            for (int64_t c = 0; c < 4; c++) a[g][c] = _mm512_setzero_ps();
-          for (int64_t t = 0; t < L; t++) {
-            const int64_t r = row(t);
-            if (t + kPrefetchAhead < L)
-              prefetch(reinterpret_cast<const char*>(rows.v) + (row(t + kPrefetchAhead) * D + d0) * Rows::kBytes,
-                       16 * cn * Rows::kBytes);
-            __m512 v[4];
-            for (int64_t c = 0; c < cn; c++) v[c] = rows.value16(r, d0 + 16 * c);
-            const float vs = rows.value_scale(r);
-            for (int64_t g = 0; g < gn; g++) {
-              const __m512 p = _mm512_set1_ps(scores[(g0 + g) * L + t] * vs);
-              for (int64_t c = 0; c < cn; c++) a[g][c] = _mm512_fmadd_ps(p, v[c], a[g][c]);
-            }
-          }
-          for (int64_t g = 0; g < gn; g++)
-            for (int64_t c = 0; c < cn; c++) _mm512_storeu_ps(acc.data() + (g0 + g) * D + d0 + 16 * c, a[g][c]);
-        }
-      }
+      rows.attend_values(scores.data(), L, G, token_rows.data(), acc.data(), pairs);
       for (int64_t g = 0; g < G; g++)
         for (int64_t d = 0; d < D; d++) op[(b * H + kvh * G + g) * D + d] = to_bf16(acc[g * D + d]);
     }
+#ifdef TOKENFLEET_AMX
+    if (tiles) _tile_release();
+#endif
   }
   return out;
 }

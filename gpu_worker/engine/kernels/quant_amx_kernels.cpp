@@ -16,36 +16,17 @@
 // int4 are dequantized with their scales, rounded to bf16 as the tiles path of quant_cpu_kernels.cpp does.
 #include <torch/extension.h>
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
+#include "amx_tiles.h"
 #include "quant_common.h"
 
 namespace {
 
 constexpr int64_t kBlockRows = 32;  // weight rows a block: two A tiles
-
-// Linux hands AMX's tile state to a process that asks (arch_prctl), once.
-bool amx_permitted() {
-  constexpr int kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-  static const bool permitted = syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  return permitted;
-}
-
-// Every tile 16 rows x 64 bytes; edges are zero padding.
-void configure_tiles() {
-  struct {
-    uint8_t palette = 1, start_row = 0, reserved[14] = {};
-    uint16_t colsb[16] = {};
-    uint8_t rows[16] = {};
-  } config;
-  for (int t = 0; t < 8; t++) config.colsb[t] = 64, config.rows[t] = 16;
-  _tile_loadconfig(&config);
-}
 
 // x [M, K] bf16 as B tiles: xp[m / 16][kp][m % 16] = the pair x[m][2kp .. 2kp + 2), rows past M zero.
 std::vector<uint32_t> pack_x(const torch::Tensor& xb, int64_t m_blocks) {
