@@ -20,8 +20,8 @@ inline void prefetch(const void* p, int64_t bytes) {
 }
 
 // A cache's token-head rows as attention reads them (row r: [D] values at r * D). `dot` is a query head's
-// product with a key row as a vector still to be summed, times `key_scale`; `value16` sixteen values of a row as
-// floats, and `value_scale` what they take.
+// product with a key row as a vector still to be summed, times `key_scale`; `attend_values` sums the value rows
+// weighted by a head group's probabilities.
 struct Bf16Rows {
   static constexpr int64_t kBytes = 2;
   const uint16_t* k;
