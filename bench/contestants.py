@@ -58,9 +58,6 @@ class Ours:
         self.mixed_runs.append(ours_mixed(self.llm, self.mix))
         return self.mixed_runs[-1]["tps"]
 
-    def close(self) -> None:
-        pass
-
 
 class HfGenerate:
     """transformers' `generate`: batch 1, and the mixed workload in static batches of 16 in arrival order, each

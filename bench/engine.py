@@ -102,6 +102,23 @@ def _measure(engine, workload: str, repeats: int, weights: int, device: torch.de
     return {"tps": tps, "bandwidth_gbs": bandwidth, "roofline_fraction": tps * weights / (bandwidth * 1e9)}
 
 
+def _pair(order: list, ours, workload: str, repeats: int, weights: int, device: torch.device,
+          errors: dict) -> dict | None:
+    """Each engine's figure, in order; None when the peer failed (why is recorded in `errors`). Ours' failure is
+    the benchmark's."""
+    figures = {}
+    for engine in order:
+        if engine is ours:
+            figures[engine.label] = _measure(engine, workload, repeats, weights, device)
+            continue
+        try:
+            figures[engine.label] = _measure(engine, workload, repeats, weights, device)
+        except Exception as exc:  # noqa: BLE001 - a peer's failure is reported, not fatal to the benchmark
+            errors[engine.label] = f"{type(exc).__name__}: {exc}"
+            return None
+    return figures
+
+
 def interleave(ours, peers: list, workloads: list[str], args, weights: int, device: torch.device,
                errors: dict) -> list[dict]:
     """Per round: its bandwidth readings and, for each peer and workload, ours and the peer back to back. A peer
@@ -114,10 +131,8 @@ def interleave(ours, peers: list, workloads: list[str], args, weights: int, devi
                 if peer is not None and workload not in peer.workloads:
                     continue
                 order = [ours] if peer is None else [ours, peer] if r % 2 == 0 else [peer, ours]
-                try:
-                    figures = {e.label: _measure(e, workload, args.repeats, weights, device) for e in order}
-                except external_peers.PeerError as exc:  # reported; the other peers' rounds go on
-                    errors[peer.name] = str(exc)
+                figures = _pair(order, ours, workload, args.repeats, weights, device, errors)
+                if figures is None:  # the peer failed: reported, and the other peers' rounds go on
                     peers.remove(peer)
                     break
                 pairs.append({"workload": workload, "order": [e.label for e in order], "figures": figures})

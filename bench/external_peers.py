@@ -7,6 +7,7 @@ its model once and then measures whichever workload the benchmark asks for (`pee
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -104,7 +105,11 @@ class ExternalPeer:
         self.proc = subprocess.Popen([str(peer_python(name)), str(SCRIPTS / f"{name}_peer.py"), str(work)],
                                      env={**os.environ, **PEERS[name]["env"]}, stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self._stderr, text=True)
-        self.version = self._answer()["version"]
+        try:
+            self.version = self._answer()["version"]
+        except PeerError:
+            self.close()
+            raise
         self.label = f"{LABELS[name]} {self.version}"
 
     @property
@@ -112,8 +117,9 @@ class ExternalPeer:
         return PEERS[self.name]["workloads"]
 
     def measure(self, workload: str, repeats: int = 1) -> float | list[float]:
-        self.proc.stdin.write(json.dumps({"workload": workload, "repeats": repeats}) + "\n")
-        self.proc.stdin.flush()
+        with contextlib.suppress(BrokenPipeError):  # the peer has exited: `_answer` says how, from its stderr
+            self.proc.stdin.write(json.dumps({"workload": workload, "repeats": repeats}) + "\n")
+            self.proc.stdin.flush()
         return self._answer()["tps"]
 
     def _answer(self) -> dict:
@@ -130,7 +136,8 @@ class ExternalPeer:
 
     def close(self) -> None:
         if self.proc.poll() is None:
-            self.proc.stdin.close()
+            with contextlib.suppress(BrokenPipeError):
+                self.proc.stdin.close()
             try:
                 self.proc.wait(timeout=60)
             except subprocess.TimeoutExpired:

@@ -134,20 +134,20 @@ def speed(model: str, modes: list[str], args: Namespace) -> dict:
         if not args.skip_mixed:
             row.update({f"{m} mixed": ours_mixed(llm, mix)["tps"] for m, llm in llms.items()})
         for peer_type in (PEER_TYPES[m] for m in modes if m in PEER_TYPES and "llamacpp" in args.peer):
-            row[f"llama.cpp {peer_type} batch1"] = _llamacpp_batch1(model, peer_type, b1, mix)
+            row[f"llama.cpp {peer_type} batch1"] = _llamacpp_batch1(model, peer_type, b1)
         rounds.append(row)
     return {"rounds": rounds, "ratios": _ratios(rounds)}
 
 
-def _llamacpp_batch1(model: str, peer_type: str, b1, mix) -> float | None:
+def _llamacpp_batch1(model: str, peer_type: str, b1) -> float | None:
     from gpu_worker.engine.checkpoint import resolve_model_path
 
-    result = {"batch1_tps": {}, "mixed_tps": {}}
-    external_peers.run("llamacpp", resolve_model_path(model), Namespace(dtype=peer_type, skip_mixed=True, repeats=1),
-                       b1, mix, result)
-    if "peer_errors" in result:
-        print(f"llama.cpp {peer_type}: {result['peer_errors']['llamacpp']}")
-    return next(iter(result["batch1_tps"].values()), None)
+    try:
+        with external_peers.start("llamacpp", resolve_model_path(model), peer_type, b1, None) as peer:
+            return peer.measure("batch1")[0]
+    except external_peers.PeerError as exc:
+        print(f"llama.cpp {peer_type}: {exc}")
+        return None
 
 
 def _ratios(rounds: list[dict]) -> dict:
