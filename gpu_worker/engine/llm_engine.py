@@ -15,6 +15,7 @@ from .cuda_graphs import DecodeGraphs
 from .detokenizer import IncrementalDetokenizer
 from .draft_proposer import DraftModelProposer
 from .errors import CONTEXT_LENGTH_EXCEEDED, InvalidRequestError, ModelLoadError
+from .host_memory import keep_freed_memory
 from .kv_cache_format import kv_cache_format
 from .kv_cache_manager import KVCacheManager, cdiv
 from .linear import Linear
@@ -69,6 +70,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.device = torch.device(config.device)
+        if self.device.type == "cpu":
+            keep_freed_memory()
         checkpoint = open_checkpoint(config.model)
         self.model_path, self.model_config = checkpoint.path, checkpoint.config
         self.dtype = resolve_dtype(config.dtype, self.model_config.checkpoint_dtype, self.device)

@@ -124,9 +124,10 @@ def test_float32_layers_keep_the_reference_kernel():
 
 @needs_avx512_bf16
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(12, 4, 64), (8, 8, 32), (16, 2, 128)])
-def test_paged_decode_attention_matches_the_reference(heads, kv_heads, head_dim):
+@pytest.mark.parametrize("block_size", [16, 32])  # AMX scores 32 keys a call: from two blocks, or from one
+def test_paged_decode_attention_matches_the_reference(heads, kv_heads, head_dim, block_size):
     torch.manual_seed(heads)
-    block_size, num_blocks = 16, 200
+    num_blocks = 200
     kv_cache = torch.randn(2, num_blocks, kv_heads, block_size, head_dim, dtype=torch.bfloat16)
     context_lens = [1, 17, 300, 64, 5, 129]
     q = torch.randn(len(context_lens), heads, head_dim, dtype=torch.bfloat16)

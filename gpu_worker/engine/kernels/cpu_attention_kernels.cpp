@@ -38,59 +38,73 @@ struct Bf16Rows {
   // acc[g * D + d] = sum over t < L of p[g][t] * v[row t][d] for G heads' probabilities p (fp32, rows of L): two
   // tokens per dpbf16, each pair of value rows interleaved (unpack) against a pair of probabilities rounded to bf16,
   // as torch's CPU flash attention rounds them for its product with V: half the instructions of converting and
-  // multiplying each value in fp32 (about 5 % of the kernel's time on a Sapphire Rapids VM, whose stalls on the
-  // scattered reads remain the larger part).
+  // multiplying each value in fp32. Heads go four at a time (past G with zero probabilities) so that the
+  // accumulators stay in registers: indexed by a runtime head count they lived on the stack, a load and a store
+  // around every dpbf16.
   void attend_values(const float* p, int64_t L, int64_t G, const int64_t* token_rows, float* acc,
                      std::vector<uint16_t>& pairs) const {
     const int64_t L2 = (L + 1) & ~int64_t{1};  // an odd count's last token pairs with a zero probability
-    pairs.assign(G * L2, 0);
-    for (int64_t g = 0; g < G; g++)
-      for (int64_t t = 0; t < L; t++) pairs[g * L2 + t] = to_bf16(p[g * L + t]);
-    for (int64_t d0 = 0; d0 < D; d0 += 64) {
-      const int64_t halves = std::min<int64_t>(2, (D - d0) / 32);
-      for (int64_t g0 = 0; g0 < G; g0 += 4) {
-        const int64_t gn = std::min<int64_t>(4, G - g0);
-        __m512 a[4][4];  // [head][low and high pairs of each 32 columns]
-        for (int64_t g = 0; g < 4; g++)
-          for (int64_t c = 0; c < 4; c++) a[g][c] = _mm512_setzero_ps();
-        for (int64_t t = 0; t < L; t += 2) {
-          const int64_t r0 = token_rows[t], r1 = t + 1 < L ? token_rows[t + 1] : r0;
-          if (t + kPrefetchAhead + 1 < L) {
-            prefetch(v + token_rows[t + kPrefetchAhead] * D + d0, 32 * halves * 2);
-            prefetch(v + token_rows[t + kPrefetchAhead + 1] * D + d0, 32 * halves * 2);
-          }
-          __m512bh lo[2], hi[2];
-          for (int64_t h = 0; h < halves; h++) {
-            const __m512i x0 = _mm512_loadu_si512(v + r0 * D + d0 + 32 * h);
-            const __m512i x1 = _mm512_loadu_si512(v + r1 * D + d0 + 32 * h);
-            lo[h] = (__m512bh)_mm512_unpacklo_epi16(x0, x1);
-            hi[h] = (__m512bh)_mm512_unpackhi_epi16(x0, x1);
-          }
-          for (int64_t g = 0; g < gn; g++) {
-            uint32_t pair;
-            std::memcpy(&pair, pairs.data() + (g0 + g) * L2 + t, 4);
-            const __m512bh pp = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
-            for (int64_t h = 0; h < halves; h++) {
-              a[g][2 * h] = _mm512_dpbf16_ps(a[g][2 * h], lo[h], pp);
-              a[g][2 * h + 1] = _mm512_dpbf16_ps(a[g][2 * h + 1], hi[h], pp);
-            }
-          }
+    const int64_t G4 = (G + 3) & ~int64_t{3};
+    pairs.assign(G4 * L2, 0);
+    for (int64_t g = 0; g < G; g++) {
+      int64_t t = 0;
+      for (; t + 16 <= L; t += 16)  // round to nearest even, as to_bf16
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pairs.data() + g * L2 + t),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p + g * L + t)));
+      for (; t < L; t++) pairs[g * L2 + t] = to_bf16(p[g * L + t]);
+    }
+    for (int64_t g0 = 0; g0 < G; g0 += 4)
+      for (int64_t d0 = 0; d0 < D; d0 += 64) {
+        if (D - d0 >= 64)
+          attend_columns<2>(pairs.data() + g0 * L2, L2, L, token_rows, d0, acc + g0 * D, std::min<int64_t>(4, G - g0));
+        else
+          attend_columns<1>(pairs.data() + g0 * L2, L2, L, token_rows, d0, acc + g0 * D, std::min<int64_t>(4, G - g0));
+      }
+  }
+
+  // Four heads' sums over columns [d0, d0 + 32 kHalves) into acc's first `heads` rows.
+  template <int kHalves>
+  void attend_columns(const uint16_t* pairs, int64_t L2, int64_t L, const int64_t* token_rows, int64_t d0,
+                      float* acc, int64_t heads) const {
+    __m512 a[4][2 * kHalves];  // [head][low and high pairs of each 32 columns]
+    for (int g = 0; g < 4; g++)
+      for (int c = 0; c < 2 * kHalves; c++) a[g][c] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < L; t += 2) {
+      const int64_t r0 = token_rows[t], r1 = t + 1 < L ? token_rows[t + 1] : r0;
+      if (t + kPrefetchAhead + 1 < L) {
+        prefetch(v + token_rows[t + kPrefetchAhead] * D + d0, 64 * kHalves);
+        prefetch(v + token_rows[t + kPrefetchAhead + 1] * D + d0, 64 * kHalves);
+      }
+      __m512bh lo[kHalves], hi[kHalves];
+      for (int h = 0; h < kHalves; h++) {
+        const __m512i x0 = _mm512_loadu_si512(v + r0 * D + d0 + 32 * h);
+        const __m512i x1 = _mm512_loadu_si512(v + r1 * D + d0 + 32 * h);
+        lo[h] = (__m512bh)_mm512_unpacklo_epi16(x0, x1);
+        hi[h] = (__m512bh)_mm512_unpackhi_epi16(x0, x1);
+      }
+      for (int g = 0; g < 4; g++) {
+        uint32_t pair;
+        std::memcpy(&pair, pairs + g * L2 + t, 4);
+        const __m512bh pp = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+        for (int h = 0; h < kHalves; h++) {
+          a[g][2 * h] = _mm512_dpbf16_ps(a[g][2 * h], lo[h], pp);
+          a[g][2 * h + 1] = _mm512_dpbf16_ps(a[g][2 * h + 1], hi[h], pp);
         }
-        // Lane 4k + i of the low pairs is column 8k + i of its 32, of the high pairs column 8k + 4 + i.
-        for (int64_t g = 0; g < gn; g++)
-          for (int64_t h = 0; h < halves; h++) {
-            alignas(64) float low[16], high[16];
-            _mm512_store_ps(low, a[g][2 * h]);
-            _mm512_store_ps(high, a[g][2 * h + 1]);
-            float* out = acc + (g0 + g) * D + d0 + 32 * h;
-            for (int64_t k = 0; k < 4; k++)
-              for (int64_t i = 0; i < 4; i++) {
-                out[8 * k + i] = low[4 * k + i];
-                out[8 * k + 4 + i] = high[4 * k + i];
-              }
-          }
       }
     }
+    // Lane 4k + i of the low pairs is column 8k + i of its 32, of the high pairs column 8k + 4 + i.
+    for (int64_t g = 0; g < heads; g++)
+      for (int h = 0; h < kHalves; h++) {
+        alignas(64) float low[16], high[16];
+        _mm512_store_ps(low, a[g][2 * h]);
+        _mm512_store_ps(high, a[g][2 * h + 1]);
+        float* out = acc + g * D + d0 + 32 * h;
+        for (int64_t k = 0; k < 4; k++)
+          for (int64_t i = 0; i < 4; i++) {
+            out[8 * k + i] = low[4 * k + i];
+            out[8 * k + 4 + i] = high[4 * k + i];
+          }
+      }
   }
 };
 
@@ -145,11 +159,11 @@ struct Int8Rows {
 };
 
 #ifdef TOKENFLEET_AMX
-// Scores on AMX (built where the CPU has it): a task's G query heads as B tiles, one per 32 dims, b[h][kp][2g + j] =
-// q[g][32h + 2kp + j] (heads past G zero), and sixteen keys a tile A straight from the cache (16 rows at its row
-// stride): C[key][head] summed over the tiles, where the AVX-512 path spends most of its instructions on dot
-// products and their reductions (sum16). With the vectorized softmax maximum, a decode layer over 38 MB of context
-// went from 3.53 to 2.86 ms on a Sapphire Rapids VM; the rest is stalls on the scattered reads.
+// Scores on AMX (built where the CPU has it): a task's G query heads as B tiles 4.., one per 32 dims,
+// b[h][kp][2g + j] = q[g][32h + 2kp + j] (heads past G zero), loaded once per task; sixteen keys a tile A straight
+// from the cache (16 rows at its row stride), two such groups at a time (tiles 2 and 3 into accumulators 0 and 1):
+// C[key][head] summed over the dims. Reloading the query for every group and waiting on one group's products
+// before the next took half of the tile path's time in cache.
 struct QueryTiles {
   std::vector<uint16_t> b;
   int64_t D = 0, G = 0;
@@ -159,30 +173,56 @@ struct QueryTiles {
     b.assign(D / 32 * 512, 0);
     for (int64_t g = 0; g < G; g++)
       for (int64_t d = 0; d < D; d++) b[(d / 32) * 512 + (d % 32) / 2 * 32 + 2 * g + d % 2] = q[g * D + d];
+    for (int64_t h = 0; h < D / 32; h++) {
+      const uint16_t* tile = b.data() + h * 512;
+      switch (h) {  // tile numbers are immediates (GCC spells them into the instruction's text)
+        case 0: _tile_loadd(4, tile, 64); break;
+        case 1: _tile_loadd(5, tile, 64); break;
+        case 2: _tile_loadd(6, tile, 64); break;
+        default: _tile_loadd(7, tile, 64); break;
+      }
+    }
   }
 
-  // scores[g * L + i] = key_scale[i] * (q_g . key i) for i < n, keys the 16 rows from `keys` (all in one block).
-  void score16(const uint16_t* keys, const float* key_scale, int64_t n, float* scores, int64_t L) const {
+  // scores[g * L + i] = scale * (q_g . key i) for i < n <= 32: keys 0-15 the rows from `first`, 16-31 from `second`
+  // (each sixteen rows of one block).
+  void score32(const uint16_t* first, const uint16_t* second, float scale, int64_t n, float* scores, int64_t L) const {
+    const bool two = n > 16;
     _tile_zero(0);
-    for (int64_t h = 0; h < D / 32; h++) {
-      _tile_loadd(1, keys + 32 * h, D * 2);
-      _tile_loadd(2, b.data() + h * 512, 64);
-      _tile_dpbf16ps(0, 1, 2);
-    }
-    alignas(64) float c[16 * 16];
-    _tile_stored(0, c, 64);
+    if (two) _tile_zero(1);
+#define TOKENFLEET_ACCUMULATE(query_tile, d)  \
+  _tile_loadd(2, first + (d), D * 2);         \
+  _tile_dpbf16ps(0, 2, query_tile);           \
+  if (two) {                                  \
+    _tile_loadd(3, second + (d), D * 2);      \
+    _tile_dpbf16ps(1, 3, query_tile);         \
+  }
+    TOKENFLEET_ACCUMULATE(4, 0)
+    if (D > 32) { TOKENFLEET_ACCUMULATE(5, 32) }
+    if (D > 64) { TOKENFLEET_ACCUMULATE(6, 64) }
+    if (D > 96) { TOKENFLEET_ACCUMULATE(7, 96) }
+#undef TOKENFLEET_ACCUMULATE
+    alignas(64) float c[2][16 * 16];
+    _tile_stored(0, c[0], 64);
+    if (two) _tile_stored(1, c[1], 64);
     const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                               _mm512_set1_epi32(16));
-    const __m512 ks = _mm512_load_ps(key_scale);
-    for (int64_t g = 0; g < G; g++)
-      _mm512_mask_storeu_ps(scores + g * L, static_cast<__mmask16>((1u << n) - 1),
-                            _mm512_mul_ps(_mm512_i32gather_ps(_mm512_add_epi32(column, _mm512_set1_epi32(g)), c, 4), ks));
+    const __m512 ks = _mm512_set1_ps(scale);
+    for (int64_t half = 0; half < (two ? 2 : 1); half++) {
+      const int64_t m = std::min<int64_t>(16, n - 16 * half);
+      for (int64_t g = 0; g < G; g++)
+        _mm512_mask_storeu_ps(scores + g * L + 16 * half, static_cast<__mmask16>((1u << m) - 1),
+                              _mm512_mul_ps(_mm512_i32gather_ps(_mm512_add_epi32(column, _mm512_set1_epi32(g)), c[half], 4), ks));
+    }
   }
+
 };
 
 // Whether this call's bf16 scores go through tiles: Linux lets this process use them, the query groups fit a tile's
-// 16 columns, and blocks hold whole tiles of keys.
-bool tiles_serve(int64_t G, int64_t block_size) { return G <= 16 && block_size % 16 == 0 && amx_permitted(); }
+// 16 columns, the query's dims its four tiles, and blocks hold whole tiles of keys.
+bool tiles_serve(int64_t G, int64_t D, int64_t block_size) {
+  return G <= 16 && D <= 128 && block_size % 16 == 0 && amx_permitted();
+}
 #endif
 
 // Decode attention straight from the paged cache: one query token per sequence, H query heads sharing
@@ -205,7 +245,7 @@ torch::Tensor paged_decode(const torch::Tensor& q, const Rows& rows, int64_t KVH
   const int64_t* lp = lens.data_ptr<int64_t>();
   const int64_t max_blocks = tables.size(1), row_bytes = D * Rows::kBytes;
 #ifdef TOKENFLEET_AMX
-  const bool tiles = std::is_same_v<Rows, Bf16Rows> && tiles_serve(G, block_size);
+  const bool tiles = std::is_same_v<Rows, Bf16Rows> && tiles_serve(G, D, block_size);
 #endif
 #pragma omp parallel
   {
@@ -231,9 +271,25 @@ torch::Tensor paged_decode(const torch::Tensor& q, const Rows& rows, int64_t KVH
         for (int64_t t = t0; t < std::min(L, t0 + block_size); t++) token_rows[t] = first + t - t0;
       }
       const auto row = [&](int64_t t) { return token_rows[t]; };
+      bool scored = false;
+#ifdef TOKENFLEET_AMX
+      if constexpr (std::is_same_v<Rows, Bf16Rows>) {
+        if (tiles) {
+          query_tiles.load(qb, G, D);
+          for (int64_t t0 = 0; t0 < L; t0 += 32) {
+            for (int64_t t = t0 + kPrefetchAhead; t < std::min(L, t0 + 32 + kPrefetchAhead); t++)
+              prefetch(rows.k + row(t) * D, row_bytes);
+            const int64_t n = std::min<int64_t>(32, L - t0);
+            query_tiles.score32(rows.k + row(t0) * D, n > 16 ? rows.k + row(t0 + 16) * D : nullptr,
+                                static_cast<float>(scale), n, scores.data() + t0, L);
+          }
+          scored = true;
+        }
+      }
+#endif
       // Scores sixteen tokens at a time, their dot products summed together (sum16): one reduction per token
       // and head took most of the kernel's time at short contexts.
-      for (int64_t t0 = 0; t0 < L; t0 += 16) {
+      for (int64_t t0 = 0; !scored && t0 < L; t0 += 16) {
         const int64_t n = std::min<int64_t>(16, L - t0);
         int64_t r[16];
         alignas(64) float key_scale[16] = {};
@@ -244,15 +300,6 @@ torch::Tensor paged_decode(const torch::Tensor& q, const Rows& rows, int64_t KVH
           if (t + kPrefetchAhead < L) prefetch(reinterpret_cast<const char*>(rows.k) + row(t + kPrefetchAhead) * row_bytes,
                                                row_bytes);
         }
-#ifdef TOKENFLEET_AMX
-        if constexpr (std::is_same_v<Rows, Bf16Rows>) {
-          if (tiles) {
-            if (t0 == 0) query_tiles.load(qb, G, D);
-            query_tiles.score16(rows.k + r[0] * D, key_scale, n, scores.data() + t0, L);
-            continue;
-          }
-        }
-#endif
         for (int64_t g = 0; g < G; g++) {
           __m512 dots[16];
           for (int64_t i = 0; i < 16; i++) dots[i] = i < n ? rows.dot(qb + g * D, qf.data() + g * D, r[i]) : _mm512_setzero_ps();
