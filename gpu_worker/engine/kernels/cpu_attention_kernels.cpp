@@ -40,7 +40,8 @@ struct Bf16Rows {
   // as torch's CPU flash attention rounds them for its product with V: half the instructions of converting and
   // multiplying each value in fp32. Heads go four at a time (past G with zero probabilities) so that the
   // accumulators stay in registers: indexed by a runtime head count they lived on the stack, a load and a store
-  // around every dpbf16.
+  // around every dpbf16 (100 sequences of 32-700 tokens, context in cache: 1.05 -> 0.88 ms a layer on a Sapphire
+  // Rapids VM).
   void attend_values(const float* p, int64_t L, int64_t G, const int64_t* token_rows, float* acc,
                      std::vector<uint16_t>& pairs) const {
     const int64_t L2 = (L + 1) & ~int64_t{1};  // an odd count's last token pairs with a zero probability
@@ -162,8 +163,9 @@ struct Int8Rows {
 // Scores on AMX (built where the CPU has it): a task's G query heads as B tiles 4.., one per 32 dims,
 // b[h][kp][2g + j] = q[g][32h + 2kp + j] (heads past G zero), loaded once per task; sixteen keys a tile A straight
 // from the cache (16 rows at its row stride), two such groups at a time (tiles 2 and 3 into accumulators 0 and 1):
-// C[key][head] summed over the dims. Reloading the query for every group and waiting on one group's products
-// before the next took half of the tile path's time in cache.
+// C[key][head] summed over the dims. Reloading the query for every group, and waiting on one group's products
+// before loading the next, cost 8 % of the kernel's time with the context in cache (0.88 -> 0.81 ms a layer, 100
+// sequences of 32-700 tokens, on a Sapphire Rapids VM).
 struct QueryTiles {
   std::vector<uint16_t> b;
   int64_t D = 0, G = 0;
