@@ -31,7 +31,8 @@ async def serve(settings: WorkerSettings, redis_url: str) -> None:
                                     enforce_eager=settings.enforce_eager,
                                     max_num_seqs=settings.max_num_seqs,
                                     max_num_batched_tokens=settings.max_num_batched_tokens,
-                                    kv_cache_memory_bytes=settings.kv_cache_memory_bytes))
+                                    kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
+                                    block_size=settings.kv_block_size))
     name = served_name(settings)
     info = p.ModelInfo(name=name, model_dir=str(engine.model_path), max_model_len=engine.max_model_len,
                        tier=settings.tier, kv_block_size=engine.block_size)

@@ -58,10 +58,20 @@ async def end_for_client(redis: aioredis.Redis, request_id: str, error: p.ErrorB
                             cut.encode()[p.FIELD], p.CANCEL_CHANNEL, request_id)
 
 
+# A chunk for a request's reply stream, unless the request was cancelled (its cancel key is set): a worker's delta
+# written after its client's end (`end_for_client`) closed the stream would follow that error, and be counted as sent
+# to a client that had gone. KEYS: reply stream, cancel key. ARGV: field, chunk, ttl.
+_ADD_UNLESS_CANCELLED = """
+if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
+redis.call('XADD', KEYS[1], '*', ARGV[1], ARGV[2])
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+return 1
+"""
+
+
 def add_reply(pipe, request_id: str, chunk: p.ReplyChunk, settings: StreamSettings) -> None:
-    key = p.reply_stream(request_id)
-    pipe.xadd(key, chunk.encode())
-    pipe.expire(key, settings.reply_ttl_s)
+    pipe.eval(_ADD_UNLESS_CANCELLED, 2, p.reply_stream(request_id), p.cancel_key(request_id), p.FIELD,
+              chunk.encode()[p.FIELD], settings.reply_ttl_s)
 
 
 class ReplyPublisher:

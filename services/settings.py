@@ -139,6 +139,7 @@ class WorkerSettings(BaseSettings):
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     kv_cache_memory_bytes: int | None = None
+    kv_block_size: int | None = None  # tokens per KV block; default: 128 on CPU, 16 on GPUs
     default_max_tokens: int | None = None  # for requests that set none; unset: the rest of the context
     heartbeat_interval_s: float = 0.5
     heartbeat_ttl_s: float = 2.0

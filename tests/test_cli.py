@@ -104,7 +104,7 @@ def test_bench_deterministic_reports_each_workloads_cost_per_round(make_checkpoi
 def test_bench_prefix_reports_ttft_with_caching_on_and_off(model_dir, tmp_path):
     out = tmp_path / "prefix.json"
     proc = _tokenfleet("bench", "prefix", "--model", model_dir, "--dtype", "float32", "--num-requests", "4",
-                       "--prefix-len", "200", "--json", str(out))
+                       "--prefix-len", "300", "--json", str(out))  # two whole blocks of the CPU's 128 tokens
     assert proc.returncode == 0, proc.stderr
     figures = json.loads(out.read_text())
     assert set(figures["ttft_ms"]) == {"on", "off"} and figures["hit_rate"] > 0.5

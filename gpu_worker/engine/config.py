@@ -5,6 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+# Tokens per KV block where none is asked for: 128 on CPU, as vLLM's CPU backend. Decode attention reads a head's
+# block as one run, and the hardware prefetcher loses each short run: over 16-token blocks (2 KiB runs at 64 dims)
+# it took 2.17 ms a layer against 1.74 at 128, and the mixed benchmark ran 7 % faster (Sapphire Rapids VM). Prefix
+# caching then shares whole 128-token blocks. Elsewhere 16.
+DEFAULT_BLOCK_SIZE = {"cpu": 128}
 
 
 @dataclass(frozen=True)
@@ -12,7 +17,7 @@ class EngineConfig:
     model: str
     dtype: str = "auto"
     device: str = "cpu"
-    block_size: int = 16
+    block_size: int | None = None  # default: DEFAULT_BLOCK_SIZE by the device's type
     kv_cache_memory_bytes: int | None = None  # default: 1 GiB on CPU, gpu_memory_utilization on CUDA
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 256
@@ -30,3 +35,7 @@ class EngineConfig:
     deterministic: bool = False
     # CUDA graphs off: decode steps launch their kernels one by one, as on CPU (vLLM's enforce_eager).
     enforce_eager: bool = False
+
+    def __post_init__(self) -> None:
+        if self.block_size is None:
+            object.__setattr__(self, "block_size", DEFAULT_BLOCK_SIZE.get(self.device.split(":")[0], 16))

@@ -81,7 +81,7 @@ def test_an_int8_kv_cache_is_batch_invariant_too(make_checkpoint):
 def test_a_request_preempted_and_recomputed_gives_the_same_tokens(make_checkpoint):
     """A KV pool of 30 blocks (16 tokens each) for a burst of 6 requests of 90-114 tokens: sequences are preempted
     and recompute their prompt and output as prefill, which attends row by row as their decodes did."""
-    llm = LLM(_checkpoint(make_checkpoint), dtype="bfloat16", deterministic=True, max_model_len=256,
+    llm = LLM(_checkpoint(make_checkpoint), dtype="bfloat16", deterministic=True, max_model_len=256, block_size=16,
               kv_cache_memory_bytes=30 * 2 * 2 * 16 * 2 * 32 * 2)  # blocks x layers x (K, V) x tokens x heads x D x 2 B
     rng = random.Random(3)
     prompts = [_prompt(rng, 90) for _ in range(6)]

@@ -68,7 +68,8 @@ def test_stop_string_is_cut_from_the_text(llm):
     assert out.finish_reason == "stop" and out.outputs[0].stop_reason == stop
 
 
-def test_n_samples_share_the_prompt_blocks(llm):
+def test_n_samples_share_the_prompt_blocks(make_checkpoint):
+    llm = LLM(str(make_checkpoint("llama")), dtype="float32", block_size=16)
     prompt = _prompts(1, seed=4)[0][:1] * 100  # 100 tokens: 6 full blocks of 16 shared, 1 partial each
     engine = llm.engine
     engine.add_request("fork", prompt, SamplingParams(n=4, temperature=1.0, seed=5, max_tokens=4,

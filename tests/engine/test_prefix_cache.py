@@ -102,7 +102,7 @@ def test_outputs_are_identical_with_prefix_caching_on_and_off(checkpoint, budget
     outputs = {}
     for caching in (True, False):
         llm = LLM(model=checkpoint, dtype="float32", kv_cache_memory_bytes=8 << 20, max_num_batched_tokens=budget,
-                  enable_prefix_caching=caching)
+                  enable_prefix_caching=caching, block_size=16)
         runs = [llm.generate(prompts, p) for p in params]
         runs.append(llm.generate(prompts, params[0]))  # the second round hits what the first cached
         outputs[caching] = [[o.token_ids for o in run] for run in runs]
@@ -160,8 +160,16 @@ def test_an_event_log_nobody_drains_stays_bounded_and_says_it_overflowed():
 
 
 def test_the_offline_api_reports_the_prompt_tokens_served_from_the_prefix_cache(checkpoint):
-    llm = LLM(model=checkpoint, dtype="float32", kv_cache_memory_bytes=8 << 20)
+    llm = LLM(model=checkpoint, dtype="float32", kv_cache_memory_bytes=8 << 20, block_size=16)
     prompt = list(range(3, 40))  # two full blocks of 16, then 5 tokens
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     assert llm.generate(prompt, params)[0].num_cached_tokens == 0
     assert llm.generate(prompt, params)[0].num_cached_tokens == 32
+
+
+def test_on_cpu_a_kv_block_holds_128_tokens_unless_asked_otherwise(checkpoint):
+    llm = LLM(model=checkpoint, dtype="float32", kv_cache_memory_bytes=8 << 20)
+    prompt = list(range(3, 303))  # two whole blocks of 128, then 44 tokens
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    llm.generate(prompt, params)
+    assert llm.engine.block_size == 128 and llm.generate(prompt, params)[0].num_cached_tokens == 256

@@ -29,7 +29,8 @@ def _crowded(plain: LLM, caches: int = 1) -> dict:
     where its 8 sequences preempt one another (`caches`: 2 when a draft as large as the model has its own)."""
     cfg, kv_format = plain.engine.model_config, plain.engine.kv_format
     block = kv_format.bytes_per_block(cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim)
-    return {"max_num_batched_tokens": 24, "max_model_len": 256, "kv_cache_memory_bytes": 16 * block * caches}
+    return {"max_num_batched_tokens": 24, "max_model_len": 256, "kv_cache_memory_bytes": 16 * block * caches,
+            "block_size": 16}
 
 
 def _seq(tokens: list[int], **params) -> Sequence:

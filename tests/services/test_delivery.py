@@ -270,6 +270,23 @@ def test_a_finish_after_the_gateways_cancel_writes_no_reply_and_ends_the_request
     assert [(type(e).__name__, e.status) for e in events] == [("CompletionEvent", "cancelled")]
 
 
+def test_a_delta_the_worker_publishes_after_the_gateways_cancel_is_not_written(redis_url):
+    """The worker is mid-step when the client leaves: that step's delta must not follow the gateway's error chunk
+    (nor count as sent to the client)."""
+    async def scenario():
+        request = await _Finishing.start(redis_url)
+        rid = request.request.request_id
+        await request.worker.replies.publish(rid, [p.ReplyChunk(kind="delta", text="a", token_ids=[1])])
+        await _cancel(request)
+        await request.worker.replies.publish(rid, [p.ReplyChunk(kind="delta", text="b", token_ids=[2])])
+        replies_ = [c.kind for _, c in await replies.reply_history(request.redis, rid)]
+        await request.worker._abandon(request.delivery, request.request, "cancelled")
+        return replies_, await request.close()
+
+    replies_, pending = asyncio.run(scenario())
+    assert replies_ == ["delta", "error"] and pending == 0
+
+
 def test_a_cancel_after_the_finish_cuts_the_delivery(redis_url):
     async def scenario():
         request = await _Finishing.start(redis_url)
