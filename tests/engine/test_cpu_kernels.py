@@ -9,7 +9,13 @@ import torch
 import torch.nn.functional as F
 
 from gpu_worker.engine import LLM
-from gpu_worker.engine.attention import AttentionMetadata, CpuPagedAttention, HeadLayout, TorchPagedAttention
+from gpu_worker.engine.attention import (
+    AttentionMetadata,
+    CpuNativePrefillAttention,
+    CpuPagedAttention,
+    HeadLayout,
+    TorchPagedAttention,
+)
 from gpu_worker.engine.kernels import (
     AMX_BF16_FLAGS,
     cpu_has,
@@ -116,6 +122,15 @@ def test_the_engine_logs_the_cpu_and_the_kernels_it_chose(make_checkpoint, caplo
     assert "linear: TorchLinearKernel x" in line and "attention: TorchPagedAttention x" in line
 
 
+@needs_avx512_bf16
+def test_bf16_prefill_chunks_are_attended_by_the_native_kernel_where_the_cpu_has_no_amx(make_checkpoint, caplog):
+    with caplog.at_level(logging.INFO, logger="gpu_worker.engine.llm_engine"):
+        LLM(str(make_checkpoint("llama", dtype=torch.bfloat16, head_dim=32)), dtype="bfloat16")
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("kernels:"))
+    chosen = "CpuPagedAttention" if cpu_has(AMX_BF16_FLAGS) else "CpuNativePrefillAttention"
+    assert f"attention: {chosen} x" in line
+
+
 def test_float32_layers_keep_the_reference_kernel():
     layer = Linear(64, 32)
     layer.pack()
@@ -178,7 +193,7 @@ def test_a_step_with_prefill_chunks_attends_from_the_paged_cache_as_the_referenc
     before = torch.randn(2, 300, kv_heads, block_size, head_dim, dtype=torch.bfloat16)
     want_cache, got_cache = before.clone(), before.clone()
     want = TorchPagedAttention(layout)(qkv.clone(), cos, sin, want_cache, meta)
-    got = CpuPagedAttention(layout, cpu_kernels())(qkv.clone(), cos, sin, got_cache, meta)
+    got = CpuNativePrefillAttention(layout, cpu_kernels())(qkv.clone(), cos, sin, got_cache, meta)
     _assert_close_in_bf16(got, want)
     assert torch.equal(got_cache, want_cache)
 

@@ -135,3 +135,14 @@ def test_first_output_word_keeps_its_space_with_a_sentencepiece_style_tokenizer(
         detok.add_token(token)
     assert detok.take_delta(finished=True) == " world"
     assert tok.decode(prompt) + detok.text == tok.decode(prompt + output)
+
+
+@pytest.mark.parametrize("clean_up", [False, True])
+def test_decode_returns_what_transformers_decode_returns(hf_tokenizer, clean_up):
+    import copy
+
+    hf = copy.deepcopy(hf_tokenizer)
+    hf.clean_up_tokenization_spaces = clean_up
+    ids = hf.encode("Hello , world ! It 's " + TEXT, add_special_tokens=True)
+    for cut in range(1, len(ids) + 1):
+        assert Tokenizer(hf).decode(ids[:cut]) == hf.decode(ids[:cut], skip_special_tokens=True)
