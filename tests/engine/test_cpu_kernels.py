@@ -182,7 +182,7 @@ def test_a_step_with_prefill_chunks_attends_from_the_paged_cache_as_the_referenc
 
     torch.manual_seed(heads + block_size)
     # Chunks fresh and after cached tokens (a later chunk of a long prompt, a prefix-cache hit), shorter and longer
-    # than a task's 32 tokens and a tile's 32 keys, beside decode rows.
+    # than a task's 64 tokens and a tile's 64 keys, beside decode rows.
     meta = step_metadata([5, 300], [(0, 1), (0, 77), (40, 33), (130, 5), (0, 32)], 300, block_size)
     layout = HeadLayout(heads, kv_heads, head_dim, head_dim**-0.5)
     rows = len(meta.slot_blocks)

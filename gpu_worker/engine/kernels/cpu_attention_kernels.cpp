@@ -280,7 +280,8 @@ torch::Tensor paged_decode(const torch::Tensor& q, const Rows& rows, int64_t KVH
       scores.resize(G * L);
       acc.resize(G * D);
       const uint16_t* qb = qp + (b * H + kvh * G) * D;
-      for (int64_t i = 0; i < G * D; i++) qf[i] = bf16_to_float(qb[i]);
+      if constexpr (std::is_same_v<Rows, Int8Rows>)  // fp32 products with the dequantized keys
+        for (int64_t i = 0; i < G * D; i++) qf[i] = bf16_to_float(qb[i]);
       // Token t's row for this KV head (a block holds each head's block_size rows contiguously), listed once:
       // a division per token and use took a third of the kernel's time.
       token_rows.resize(L);

@@ -17,8 +17,8 @@
 
 namespace {
 
-constexpr int64_t kQueryTokens = 32;  // a task's tokens: their rows share each key and value row it reads
-constexpr int64_t kKeyTile = 32;      // keys scored, exponentiated and summed per pass
+constexpr int64_t kQueryTokens = 64;  // a task's tokens: their rows share each key and value row it reads
+constexpr int64_t kKeyTile = 64;      // keys scored, exponentiated and summed per pass
 constexpr int64_t kKeysPerPass = 8;   // keys a score pass holds in registers, with two vectors of rows each
 
 struct Task {
@@ -83,20 +83,24 @@ void value_pass(Scratch& s, int64_t R16, int64_t r0, int64_t D, int64_t d0) {
     for (int c = 0; c < kVectors; c++) _mm512_storeu_ps(s.out.data() + (r0 + i) * D + d0 + 16 * c, acc[i][c]);
 }
 
-// Turns a tile's scores (keys kt0 ..) into bf16 probability pairs under each row's running max, and the factor its
-// earlier sums are rescaled by.
-void softmax_tile(Scratch& s, int64_t R16, int64_t kt0) {
+// Turns a tile's scores (keys kt0 ..) times `scale` into bf16 probability pairs under each row's running max, and the
+// factor its earlier sums are rescaled by.
+void softmax_tile(Scratch& s, int64_t R16, int64_t kt0, __m512 scale) {
   const __m512 minus_inf = _mm512_set1_ps(-INFINITY);
   for (int64_t rv = 0; rv < R16 / 16; rv++) {
     const __m512i limit = _mm512_loadu_si512(s.limit.data() + rv * 16);
     const __m512 old_max = _mm512_loadu_ps(s.row_max.data() + rv * 16);
+    // Rows see every key of the tile below the diagonal: no mask there.
+    const bool causal = kt0 + kKeyTile - 1 > _mm512_reduce_min_epi32(limit);
     __m512 mx = old_max;
     for (int64_t j = 0; j < kKeyTile; j++) {
       float* sc = s.scores.data() + j * R16 + rv * 16;
-      const __mmask16 seen = _mm512_cmple_epi32_mask(_mm512_set1_epi32(static_cast<int>(kt0 + j)), limit);
-      const __m512 masked = _mm512_mask_blend_ps(seen, minus_inf, _mm512_loadu_ps(sc));
-      _mm512_storeu_ps(sc, masked);
-      mx = _mm512_max_ps(mx, masked);
+      __m512 x = _mm512_mul_ps(_mm512_loadu_ps(sc), scale);
+      if (causal)
+        x = _mm512_mask_blend_ps(_mm512_cmple_epi32_mask(_mm512_set1_epi32(static_cast<int>(kt0 + j)), limit),
+                                 minus_inf, x);
+      _mm512_storeu_ps(sc, x);
+      mx = _mm512_max_ps(mx, x);
     }
     const __m512 alpha = exp16(_mm512_sub_ps(old_max, mx));
     __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(s.row_sum.data() + rv * 16), alpha);
@@ -153,9 +157,7 @@ void run_task(const Task& t, Scratch& s, const uint16_t* q, int64_t q_stride, co
       for (; rv + 2 <= R16 / 16; rv += 2) score_pass<2>(s, R16, rv, key_ptrs, D, s.scores.data(), j0);
       if (rv < R16 / 16) score_pass<1>(s, R16, rv, key_ptrs, D, s.scores.data(), j0);
     }
-    for (int64_t i = 0; i < kKeyTile * R16; i += 16)
-      _mm512_storeu_ps(s.scores.data() + i, _mm512_mul_ps(_mm512_loadu_ps(s.scores.data() + i), vscale));
-    softmax_tile(s, R16, kt0);
+    softmax_tile(s, R16, kt0, vscale);
     for (int64_t jp = 0; jp < kKeyTile / 2; jp++) {
       const uint16_t* v0 = v_cache + s.key_rows[kt0 + 2 * jp] * D;
       const uint16_t* v1 = v_cache + s.key_rows[kt0 + 2 * jp + 1] * D;
