@@ -235,8 +235,9 @@ class CpuPagedAttention(TorchPagedAttention):
 class CpuNativePrefillAttention(CpuPagedAttention):
     """`CpuPagedAttention` whose prefill chunks are attended by `kernels/cpu_prefill_attention.cpp` too, from the
     paged cache: where the CPU has no AMX. torch's flash attention took 15 % of the mixed workload on a Zen 4, its
-    products on MKL's fp32 path, this kernel 5 %; on AMX hosts torch's runs on tiles (3.5 % of the workload on a
-    Sapphire Rapids VM), where this kernel's AVX512-BF16 products would be several times slower."""
+    products on MKL's fp32 path, this kernel 5 %. On AMX hosts torch's took 3.5 % of the workload (Sapphire Rapids
+    VM), which this kernel's AVX512-BF16 products, with no AMX path yet, are not expected to beat: it has not been
+    measured there, so torch's serves."""
 
     def attend(self, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         if not meta.prefills:
