@@ -1,11 +1,11 @@
-"""What the kernel tests share: seeded weights, decode rows and prefill chunks over shuffled block tables, and the
-product the int8-activation kernels are held to."""
+"""What the kernel tests share: seeded weights, decode rows over shuffled block tables, and the product the
+int8-activation kernels are held to."""
 
 from __future__ import annotations
 
 import torch
 
-from gpu_worker.engine.attention import AttentionMetadata, PrefillChunk
+from gpu_worker.engine.attention import AttentionMetadata
 
 
 def decode_metadata(context_lens: list[int], num_blocks: int, block_size: int) -> AttentionMetadata:
@@ -52,32 +52,3 @@ def assert_is_product_with_quantized_x(got: torch.Tensor, x: torch.Tensor, w: to
         tol += 2 ** -8 * want.abs()
     err = (got.double() - want).abs()
     assert (err <= tol).all(), f"max error {err.max().item():.3g} (tolerance there {tol.flatten()[err.argmax()]:.3g})"
-
-
-def step_metadata(decode_lens: list[int], chunks: list[tuple[int, int]], num_blocks: int,
-                  block_size: int) -> AttentionMetadata:
-    """A step as the model runner lays it out: a decode row per length in `decode_lens` (shortest first), then a
-    prefill chunk per (cached tokens, chunk tokens), each sequence through its own shuffled blocks of the pool."""
-    gen = torch.Generator().manual_seed(len(decode_lens) * 31 + len(chunks))
-    free = torch.randperm(num_blocks, generator=gen).tolist()
-    lengths = sorted(decode_lens) + [cached + new for cached, new in chunks]
-    tables = []
-    for length in lengths:
-        need = -(-length // block_size)
-        tables.append(free[:need])
-        free = free[need:]
-    positions = [length - 1 for length in lengths[:len(decode_lens)]]
-    positions += [p for cached, new in chunks for p in range(cached, cached + new)]
-    owners = list(range(len(decode_lens))) + [len(decode_lens) + i for i, (_, new) in enumerate(chunks)
-                                              for _ in range(new)]
-    slot_blocks = torch.tensor([tables[o][p // block_size] for o, p in zip(owners, positions, strict=True)])
-    offsets = torch.tensor(positions) % block_size
-    width = max(len(t) for t in tables)
-    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables[:len(decode_lens)]] or [[0]])
-    meta = AttentionMetadata(slot_blocks, offsets, block_size, sorted(decode_lens), padded,
-                             torch.tensor(sorted(decode_lens)), [])
-    start = len(decode_lens)
-    for (cached, new), table in zip(chunks, tables[len(decode_lens):], strict=True):
-        meta.prefills.append(PrefillChunk(start, new, cached + new, torch.tensor(table)))
-        start += new
-    return meta

@@ -232,26 +232,6 @@ class CpuPagedAttention(TorchPagedAttention):
                                                         self.scale)
 
 
-class CpuNativePrefillAttention(CpuPagedAttention):
-    """`CpuPagedAttention` whose prefill chunks are attended by `kernels/cpu_prefill_attention.cpp` too, from the
-    paged cache: where the CPU has no AMX. torch's flash attention took 15 % of the mixed workload on a Zen 4, its
-    products on MKL's fp32 path, this kernel 5 %. On AMX hosts torch's took 3.5 % of the workload (Sapphire Rapids
-    VM), which this kernel's AVX512-BF16 products, with no AMX path yet, are not expected to beat: it has not been
-    measured there, so torch's serves."""
-
-    def attend(self, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
-        if not meta.prefills:
-            return self.decode(q, kv_cache, meta)
-        out = torch.empty(q.shape, dtype=q.dtype)
-        if meta.num_decodes:
-            out[:meta.num_decodes] = self.decode(q[:meta.num_decodes], kv_cache, meta)
-        batch = meta.prefill_batch
-        self.kernels.paged_prefill_attention_bf16(q, kv_cache[0], kv_cache[1], out, batch.query_starts,
-                                                  batch.query_lens, batch.context_lens, batch.block_tables,
-                                                  self.scale)
-        return out
-
-
 class TritonPagedAttention(TorchPagedAttention):
     """CUDA: rotary and the KV write in one kernel (`kernels/triton_ops.py`), decode and prefill attention straight
     from the paged cache (`kernels/triton_paged_attention.py`), no context gathered. A decode-only step reads only

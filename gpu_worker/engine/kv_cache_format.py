@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import torch
 
 from .attention import (
-    CpuNativePrefillAttention,
     CpuPagedAttention,
     HeadLayout,
     TorchPagedAttention,
@@ -26,7 +25,7 @@ from .attention import (
 )
 from .errors import ModelLoadError
 from .host_memory import zeros_streamed
-from .kernels import AMX_BF16_FLAGS, cpu_has, cpu_kernels, triton_available
+from .kernels import cpu_kernels, triton_available
 from .model import Transformer
 from .quantization.weights import FP8_MAX
 
@@ -49,14 +48,13 @@ class DenseKVFormat:
         return allocate_kv_cache(num_layers, num_blocks, block_size, num_kv_heads, head_dim, self.dtype, device)
 
     def install(self, model: Transformer, device: torch.device) -> None:
-        """The native CPU attention where it applies (bf16 on CPU; prefill too where the CPU has no AMX), Triton's
-        on CUDA, the torch reference elsewhere."""
+        """The native CPU attention where it applies (bf16 on CPU), Triton's on CUDA, the torch reference
+        elsewhere."""
         kernels = cpu_kernels() if device.type == "cpu" and self.dtype == torch.bfloat16 else None
-        native = CpuPagedAttention if cpu_has(AMX_BF16_FLAGS) else CpuNativePrefillAttention
         for layer in model.layers:
             heads = layer.self_attn.attn.heads
             if CpuPagedAttention.supports(kernels, self.dtype, device, model.config.head_dim):
-                layer.self_attn.attn = native(heads, kernels)
+                layer.self_attn.attn = CpuPagedAttention(heads, kernels)
             elif device.type == "cuda" and triton_available():
                 layer.self_attn.attn = TritonPagedAttention(heads)
 

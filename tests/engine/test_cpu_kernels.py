@@ -9,13 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from gpu_worker.engine import LLM
-from gpu_worker.engine.attention import (
-    AttentionMetadata,
-    CpuNativePrefillAttention,
-    CpuPagedAttention,
-    HeadLayout,
-    TorchPagedAttention,
-)
+from gpu_worker.engine.attention import AttentionMetadata, CpuPagedAttention, HeadLayout, TorchPagedAttention
 from gpu_worker.engine.kernels import (
     AMX_BF16_FLAGS,
     cpu_has,
@@ -32,7 +26,7 @@ from gpu_worker.engine.linear import (
     WidenedBf16LinearKernel,
     onednn_packs_bf16,
 )
-from tests.kernel_inputs import decode_metadata, step_metadata
+from tests.kernel_inputs import decode_metadata
 
 needs_avx512_bf16 = pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="the native kernels need AVX512-BF16")
 
@@ -122,15 +116,6 @@ def test_the_engine_logs_the_cpu_and_the_kernels_it_chose(make_checkpoint, caplo
     assert "linear: TorchLinearKernel x" in line and "attention: TorchPagedAttention x" in line
 
 
-@needs_avx512_bf16
-def test_bf16_prefill_chunks_are_attended_by_the_native_kernel_where_the_cpu_has_no_amx(make_checkpoint, caplog):
-    with caplog.at_level(logging.INFO, logger="gpu_worker.engine.llm_engine"):
-        LLM(str(make_checkpoint("llama", dtype=torch.bfloat16, head_dim=32)), dtype="bfloat16")
-    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("kernels:"))
-    chosen = "CpuPagedAttention" if cpu_has(AMX_BF16_FLAGS) else "CpuNativePrefillAttention"
-    assert f"attention: {chosen} x" in line
-
-
 def test_float32_layers_keep_the_reference_kernel():
     layer = Linear(64, 32)
     layer.pack()
@@ -171,31 +156,6 @@ def test_a_decode_step_in_one_native_call_rotates_writes_and_attends_as_the_refe
     assert got.shape == (len(context_lens), heads * head_dim)
     _assert_close_in_bf16(got, want)
     assert torch.equal(got_cache, want_cache) and not torch.equal(got_cache, before)
-
-
-@needs_avx512_bf16
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(12, 4, 64), (8, 8, 32), (16, 2, 128)])
-@pytest.mark.parametrize("block_size", [16, 128])
-def test_a_step_with_prefill_chunks_attends_from_the_paged_cache_as_the_reference(heads, kv_heads, head_dim,
-                                                                                block_size):
-    from gpu_worker.engine.rope import RotaryEmbedding
-
-    torch.manual_seed(heads + block_size)
-    # Chunks fresh and after cached tokens (a later chunk of a long prompt, a prefix-cache hit), shorter and longer
-    # than a task's 64 tokens and a tile's 64 keys, beside decode rows.
-    meta = step_metadata([5, 300], [(0, 1), (0, 77), (40, 33), (130, 5), (0, 32)], 300, block_size)
-    layout = HeadLayout(heads, kv_heads, head_dim, head_dim**-0.5)
-    rows = len(meta.slot_blocks)
-    qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim, dtype=torch.bfloat16)
-    positions = meta.slot_offsets.new_tensor([c - 1 for c in meta.decode_context_list] + [
-        p for chunk in meta.prefills for p in range(chunk.context_len - chunk.query_len, chunk.context_len)])
-    cos, sin = RotaryEmbedding(head_dim, 10000.0, {}).cos_sin(positions, torch.bfloat16)
-    before = torch.randn(2, 300, kv_heads, block_size, head_dim, dtype=torch.bfloat16)
-    want_cache, got_cache = before.clone(), before.clone()
-    want = TorchPagedAttention(layout)(qkv.clone(), cos, sin, want_cache, meta)
-    got = CpuNativePrefillAttention(layout, cpu_kernels())(qkv.clone(), cos, sin, got_cache, meta)
-    _assert_close_in_bf16(got, want)
-    assert torch.equal(got_cache, want_cache)
 
 
 @needs_avx512_bf16

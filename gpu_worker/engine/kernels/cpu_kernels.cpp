@@ -272,7 +272,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv_bf16", &gemv_bf16);
   m.def("rowwise_mm_bf16", &rowwise_mm_bf16);
   m.def("paged_decode_attention_bf16", &paged_decode_attention_bf16);
-  m.def("paged_prefill_attention_bf16", &paged_prefill_attention_bf16);
   m.def("write_kv_bf16", &write_kv_bf16);
   m.def("paged_decode_attention_int8", &paged_decode_attention_int8);
   m.def("write_kv_int8", &write_kv_int8);

@@ -87,10 +87,6 @@ torch::Tensor paged_decode_attention_bf16(const torch::Tensor& q, const torch::T
 torch::Tensor paged_decode_attention_int8(const torch::Tensor& q, const torch::Tensor& kv_data,
                                           const torch::Tensor& kv_scale, const torch::Tensor& block_tables,
                                           const torch::Tensor& context_lens, double scale);
-void paged_prefill_attention_bf16(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                                  torch::Tensor& out, const torch::Tensor& query_starts,
-                                  const torch::Tensor& query_lens, const torch::Tensor& context_lens,
-                                  const torch::Tensor& block_tables, double scale);
 void write_kv_bf16(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_cache, torch::Tensor& v_cache,
                    const torch::Tensor& slot_blocks, const torch::Tensor& slot_offsets);
 void write_kv_int8(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& kv_data, torch::Tensor& kv_scale,
