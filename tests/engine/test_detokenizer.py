@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 from gpu_worker.engine.detokenizer import IncrementalDetokenizer
@@ -139,8 +141,6 @@ def test_first_output_word_keeps_its_space_with_a_sentencepiece_style_tokenizer(
 
 @pytest.mark.parametrize("clean_up", [False, True])
 def test_decode_returns_what_transformers_decode_returns(hf_tokenizer, clean_up):
-    import copy
-
     hf = copy.deepcopy(hf_tokenizer)
     hf.clean_up_tokenization_spaces = clean_up
     ids = hf.encode("Hello , world ! It 's " + TEXT, add_special_tokens=True)

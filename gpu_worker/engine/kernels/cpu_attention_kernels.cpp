@@ -16,12 +16,10 @@ namespace {
 constexpr int64_t kPrefetchAhead = 16;
 constexpr int64_t kL2Ahead = 64;  // tokens ahead to fetch into L2 (see paged_decode)
 
+// Every 64-byte line of [p, p + bytes) into L1 (T0), or into L2 (T1).
+template <int kHint = _MM_HINT_T0>
 inline void prefetch(const void* p, int64_t bytes) {
-  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(static_cast<const char*>(p) + b, _MM_HINT_T0);
-}
-
-inline void prefetch_l2(const void* p, int64_t bytes) {
-  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(static_cast<const char*>(p) + b, _MM_HINT_T1);
+  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(static_cast<const char*>(p) + b, static_cast<_mm_hint>(kHint));
 }
 
 // A cache's token-head rows as attention reads them (row r: [D] values at r * D). `dot` is a query head's
@@ -296,7 +294,7 @@ torch::Tensor paged_decode(const torch::Tensor& q, const Rows& rows, int64_t KVH
       // the key row kL2Ahead on (the first kL2Ahead at once). The value pass then hits L2 and the key stream stays
       // ahead of the products: the kernel had read the context at 16 GB/s on a Zen 4 where reading the same rows
       // alone ran at 24, with these at 24 (2.56 -> 1.90 ms a layer, 110 sequences of 50-760 tokens).
-      for (int64_t t = 0; t < std::min(L, kL2Ahead); t++) prefetch_l2(k_bytes + row(t) * row_bytes, row_bytes);
+      for (int64_t t = 0; t < std::min(L, kL2Ahead); t++) prefetch<_MM_HINT_T1>(k_bytes + row(t) * row_bytes, row_bytes);
       bool scored = false;
 #ifdef TOKENFLEET_AMX
       if constexpr (std::is_same_v<Rows, Bf16Rows>) {
@@ -306,8 +304,8 @@ torch::Tensor paged_decode(const torch::Tensor& q, const Rows& rows, int64_t KVH
             for (int64_t t = t0 + kPrefetchAhead; t < std::min(L, t0 + 32 + kPrefetchAhead); t++)
               prefetch(rows.k + row(t) * D, row_bytes);
             for (int64_t t = t0; t < std::min(L, t0 + 32); t++) {
-              prefetch_l2(v_bytes + row(t) * row_bytes, row_bytes);
-              if (t + kL2Ahead < L) prefetch_l2(k_bytes + row(t + kL2Ahead) * row_bytes, row_bytes);
+              prefetch<_MM_HINT_T1>(v_bytes + row(t) * row_bytes, row_bytes);
+              if (t + kL2Ahead < L) prefetch<_MM_HINT_T1>(k_bytes + row(t + kL2Ahead) * row_bytes, row_bytes);
             }
             const int64_t n = std::min<int64_t>(32, L - t0);
             query_tiles.score32(rows.k + row(t0) * D, n > 16 ? rows.k + row(t0 + 16) * D : nullptr,
@@ -328,8 +326,8 @@ torch::Tensor paged_decode(const torch::Tensor& q, const Rows& rows, int64_t KVH
           r[i] = row(t);
           key_scale[i] = rows.key_scale(r[i]) * static_cast<float>(scale);
           if (t + kPrefetchAhead < L) prefetch(k_bytes + row(t + kPrefetchAhead) * row_bytes, row_bytes);
-          prefetch_l2(v_bytes + r[i] * row_bytes, row_bytes);
-          if (t + kL2Ahead < L) prefetch_l2(k_bytes + row(t + kL2Ahead) * row_bytes, row_bytes);
+          prefetch<_MM_HINT_T1>(v_bytes + r[i] * row_bytes, row_bytes);
+          if (t + kL2Ahead < L) prefetch<_MM_HINT_T1>(k_bytes + row(t + kL2Ahead) * row_bytes, row_bytes);
         }
         for (int64_t g = 0; g < G; g++) {
           __m512 dots[16];
