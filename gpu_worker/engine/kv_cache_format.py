@@ -18,6 +18,7 @@ from .attention import (
     HeadLayout,
     TorchPagedAttention,
     TritonPagedAttention,
+    WidenedDecodeAttention,
     _gather,
     allocate_kv_cache,
     decode_step_arguments,
@@ -48,13 +49,15 @@ class DenseKVFormat:
         return allocate_kv_cache(num_layers, num_blocks, block_size, num_kv_heads, head_dim, self.dtype, device)
 
     def install(self, model: Transformer, device: torch.device) -> None:
-        """The native CPU attention where it applies (bf16 on CPU), Triton's on CUDA, the torch reference
-        elsewhere."""
+        """The native CPU attention where it applies (bf16 on CPU), else on CPU in bf16 the torch path with its
+        decode in float32; Triton's on CUDA; the torch reference elsewhere."""
         kernels = cpu_kernels() if device.type == "cpu" and self.dtype == torch.bfloat16 else None
         for layer in model.layers:
             heads = layer.self_attn.attn.heads
             if CpuPagedAttention.supports(kernels, self.dtype, device, model.config.head_dim):
                 layer.self_attn.attn = CpuPagedAttention(heads, kernels)
+            elif device.type == "cpu" and self.dtype == torch.bfloat16:
+                layer.self_attn.attn = WidenedDecodeAttention(heads)
             elif device.type == "cuda" and triton_available():
                 layer.self_attn.attn = TritonPagedAttention(heads)
 

@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from gpu_worker.engine import LLM
-from gpu_worker.engine.attention import AttentionMetadata, CpuPagedAttention, HeadLayout, TorchPagedAttention
+from gpu_worker.engine.attention import (
+    AttentionMetadata,
+    CpuPagedAttention,
+    HeadLayout,
+    TorchPagedAttention,
+    WidenedDecodeAttention,
+)
 from gpu_worker.engine.kernels import (
     AMX_BF16_FLAGS,
     cpu_has,
@@ -18,6 +25,7 @@ from gpu_worker.engine.kernels import (
     cpu_model,
     quant_cpu_kernels,
 )
+from gpu_worker.engine.kv_cache_format import DenseKVFormat
 from gpu_worker.engine.linear import (
     Linear,
     OneDnnPackedLinearKernel,
@@ -217,3 +225,27 @@ def test_native_rotary_matches_the_reference_in_place():
     assert torch.equal(got[:, heads * head_dim:], qkv[:, heads * head_dim:])
     assert (got != want).float().mean() < 1e-3  # the same rounding steps: equal but for rare ties
     _assert_close_in_bf16(got, want)
+
+
+def test_widened_decode_attention_is_the_float32_reference_rounded_to_bf16():
+    torch.manual_seed(0)
+    kv_cache = torch.randn(2, 40, 4, 16, 64, dtype=torch.bfloat16)
+    q = torch.randn(3, 12, 64, dtype=torch.bfloat16)
+    meta = decode_metadata([1, 90, 300], 40, 16)
+    layout = HeadLayout(12, 4, 64, 0.125)
+    want = TorchPagedAttention(layout).decode(q.float(), kv_cache.float(), meta).bfloat16()
+    assert torch.equal(WidenedDecodeAttention(layout).decode(q, kv_cache, meta), want)
+
+
+def _one_layer_model(layout: HeadLayout) -> SimpleNamespace:
+    return SimpleNamespace(config=SimpleNamespace(head_dim=layout.head_dim),
+                           layers=[SimpleNamespace(self_attn=SimpleNamespace(attn=TorchPagedAttention(layout)))])
+
+
+def test_bf16_on_cpu_decodes_in_float32_where_the_native_attention_does_not_apply():
+    layout = HeadLayout(4, 2, 48, 48**-0.5)  # a head size the native kernels do not take, on any CPU
+    bf16, fp32 = _one_layer_model(layout), _one_layer_model(layout)
+    DenseKVFormat(torch.bfloat16).install(bf16, torch.device("cpu"))
+    DenseKVFormat(torch.float32).install(fp32, torch.device("cpu"))
+    assert type(bf16.layers[0].self_attn.attn) is WidenedDecodeAttention
+    assert type(fp32.layers[0].self_attn.attn) is TorchPagedAttention  # float32: the exactness reference
