@@ -51,12 +51,13 @@ class DenseKVFormat:
     def install(self, model: Transformer, device: torch.device) -> None:
         """The native CPU attention where it applies (bf16 on CPU), else on CPU in bf16 the torch path with its
         decode in float32; Triton's on CUDA; the torch reference elsewhere."""
-        kernels = cpu_kernels() if device.type == "cpu" and self.dtype == torch.bfloat16 else None
+        bf16_on_cpu = device.type == "cpu" and self.dtype == torch.bfloat16
+        kernels = cpu_kernels() if bf16_on_cpu else None
         for layer in model.layers:
             heads = layer.self_attn.attn.heads
             if CpuPagedAttention.supports(kernels, self.dtype, device, model.config.head_dim):
                 layer.self_attn.attn = CpuPagedAttention(heads, kernels)
-            elif device.type == "cpu" and self.dtype == torch.bfloat16:
+            elif bf16_on_cpu:
                 layer.self_attn.attn = WidenedDecodeAttention(heads)
             elif device.type == "cuda" and triton_available():
                 layer.self_attn.attn = TritonPagedAttention(heads)
