@@ -201,12 +201,20 @@ def test_native_rms_norm_add_rms_norm_and_silu_and_mul_match_their_references(ro
 @needs_avx512_bf16
 def test_native_argmax_takes_the_first_maximum_like_torch():
     torch.manual_seed(3)
-    logits = torch.randn(9, 1001, dtype=torch.float32).to(torch.bfloat16)
+    logits = torch.randn(13, 1001, dtype=torch.float32).to(torch.bfloat16)
     logits[0, 5] = logits[0, 700] = 99.0  # a tie: the first index wins
     logits[1, -1] = 99.0  # a maximum in the tail past the last full vector
+    logits[2, 37] = logits[2, 18] = 99.0  # tied in different vector lanes, the later lane first
+    logits[3, 21] = logits[3, 5] = 99.0  # tied in one lane
+    logits[4, 900] = logits[4, 1000] = 99.0  # tied between the vectors and the tail
+    logits[5] = -float("inf")  # nothing but -inf: index 0
+    logits[6, 300], logits[6, 40] = float("nan"), 99.0  # a NaN counts as the maximum
+    logits[7, :] = 1.0  # every value tied
+    logits[8] = (logits[8] * 4).round() / 4  # bf16 logits tie often: coarse values
     got = cpu_kernels().argmax_bf16(logits)
     assert got.tolist() == logits.argmax(dim=-1).tolist()
-    assert got[0] == 5 and got[1] == 1000
+    assert got[:8].tolist() == [5, 1000, 18, 5, 900, 0, 300, 0]
+    assert cpu_kernels().argmax_bf16(logits[:, :7].contiguous()).tolist() == logits[:, :7].argmax(dim=-1).tolist()
 
 
 @needs_avx512_bf16

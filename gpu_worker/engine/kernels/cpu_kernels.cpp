@@ -211,28 +211,47 @@ std::vector<torch::Tensor> add_rms_norm_bf16(const torch::Tensor& x, const torch
 }
 
 // Row-wise argmax of bf16 logits [B, V], first index on ties, as torch.argmax. Greedy decoding needs
-// nothing else from the logits, and torch's argmax plus the float upcast cost ~8 ms a step here.
+// nothing else from the logits, and torch's argmax plus the float upcast cost ~8 ms a step here. One pass, each
+// lane keeping its first maximum and where it was: a second, scalar pass to find the maximum's first index took
+// 1.5 ms a decode step of 112 rows (a Sapphire Rapids VM). A row with a NaN (torch's argmax picks the first) takes
+// the scalar search.
+static int64_t argmax_row(const uint16_t* row, int64_t V) {
+  __m512 best = _mm512_set1_ps(-INFINITY);
+  __m512i best_at = _mm512_setzero_si512(), at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __mmask16 nan = 0;
+  int64_t v = 0;
+  for (; v + 16 <= V; v += 16, at = _mm512_add_epi32(at, _mm512_set1_epi32(16))) {
+    const __m512 x = load_bf16x16(row + v);
+    nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    const __mmask16 greater = _mm512_cmp_ps_mask(x, best, _CMP_GT_OQ);
+    best = _mm512_mask_mov_ps(best, greater, x);
+    best_at = _mm512_mask_mov_epi32(best_at, greater, at);
+  }
+  // The lanes holding the maximum: the least of their first indices (0 where a lane saw only -inf, as torch).
+  float mx = _mm512_reduce_max_ps(best);
+  int64_t index = _mm512_mask_reduce_min_epi32(_mm512_cmp_ps_mask(best, _mm512_set1_ps(mx), _CMP_EQ_OQ), best_at);
+  for (int64_t r = v; r < V; r++) {
+    const float f = bf16_to_float(row[r]);
+    if (f != f) nan = 1;
+    if (f > mx) mx = f, index = r;
+  }
+  if (!nan) return index;
+  for (index = 0; index < V - 1; index++) {
+    const float f = bf16_to_float(row[index]);
+    if (f != f) break;
+  }
+  return index;
+}
+
 torch::Tensor argmax_bf16(const torch::Tensor& logits) {
   TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous(), "logits must be [B, V] contiguous");
   const int64_t B = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(V >= 1 && V < (int64_t{1} << 31), "V must be in [1, 2^31)");
   auto out = torch::empty({B}, logits.options().dtype(torch::kInt64));
   const auto* lp = static_cast<const uint16_t*>(logits.data_ptr());
   int64_t* op = out.data_ptr<int64_t>();
 #pragma omp parallel for schedule(static) if (B > 1)
-  for (int64_t b = 0; b < B; b++) {
-    const uint16_t* row = lp + b * V;
-    __m512 best = _mm512_set1_ps(-INFINITY);
-    int64_t v = 0;
-    for (; v + 16 <= V; v += 16) best = _mm512_max_ps(best, load_bf16x16(row + v));
-    float mx = _mm512_reduce_max_ps(best);
-    for (int64_t r = v; r < V; r++) mx = std::max(mx, bf16_to_float(row[r]));
-    int64_t index = 0;  // the first maximum; a NaN counts as one, as in torch.argmax
-    for (; index < V - 1; index++) {
-      const float f = bf16_to_float(row[index]);
-      if (f == mx || f != f) break;
-    }
-    op[b] = index;
-  }
+  for (int64_t b = 0; b < B; b++) op[b] = argmax_row(lp + b * V, V);
   return out;
 }
 
