@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from gpu_worker.engine.attention import AttentionMetadata
+from gpu_worker.engine.attention import AttentionMetadata, PrefillChunk
 
 
 def decode_metadata(context_lens: list[int], num_blocks: int, block_size: int) -> AttentionMetadata:
@@ -23,6 +23,33 @@ def decode_metadata(context_lens: list[int], num_blocks: int, block_size: int) -
     slot_blocks = torch.tensor([t[(length - 1) // block_size] for t, length in zip(tables, context_lens, strict=True)])
     lens = torch.tensor(context_lens)
     return AttentionMetadata(slot_blocks, (lens - 1) % block_size, block_size, context_lens, padded, lens, [])
+
+
+def mixed_step(decode_lens: list[int], chunks: list[tuple[int, int]], kv_cache: torch.Tensor,
+               num_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """A step of decode rows (one per context length) then prefill chunks ((query_len, context_len): the last
+    query_len tokens of the context), each sequence through its own shuffled blocks of the cache [2, blocks, KVH,
+    block_size, D]. Returns q [T, H, D] and this step's k, v [T, KVH, D], read from the cache where the step's
+    KV write put them, and the metadata."""
+    num_blocks, kv_heads, block_size, head_dim = kv_cache.shape[1:]
+    meta = decode_metadata(decode_lens, num_blocks, block_size)
+    used = {b for row in meta.decode_block_tables.tolist() for b in row}
+    free = [b for b in torch.randperm(num_blocks, generator=torch.Generator().manual_seed(7)).tolist() if b not in used]
+    positions = [(table, length - 1) for table, length in zip(meta.decode_block_tables.tolist(), decode_lens,
+                                                               strict=True)]
+    start = len(decode_lens)
+    for query_len, context_len in chunks:
+        need = -(-context_len // block_size)
+        table, free = free[:need], free[need:]
+        meta.prefills.append(PrefillChunk(start, query_len, context_len, torch.tensor(table)))
+        positions += [(table, p) for p in range(context_len - query_len, context_len)]
+        start += query_len
+    blocks = torch.tensor([table[p // block_size] for table, p in positions])
+    offsets = torch.tensor([p % block_size for _, p in positions])
+    k, v = (kv_cache[i][blocks, :, offsets] for i in range(2))
+    q = torch.randn(len(positions), num_heads, head_dim).to(kv_cache.dtype)
+    return q, k, v, AttentionMetadata(blocks, offsets, block_size, meta.decode_context_list,
+                                      meta.decode_block_tables, meta.decode_context_lens, meta.prefills)
 
 
 def seeded_weight(n: int, k: int) -> torch.Tensor:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from .attention import (
+    AmxPagedAttention,
     CpuPagedAttention,
     HeadLayout,
     TorchPagedAttention,
@@ -49,13 +50,16 @@ class DenseKVFormat:
         return allocate_kv_cache(num_layers, num_blocks, block_size, num_kv_heads, head_dim, self.dtype, device)
 
     def install(self, model: Transformer, device: torch.device) -> None:
-        """The native CPU attention where it applies (bf16 on CPU), else on CPU in bf16 the torch path with its
-        decode in float32; Triton's on CUDA; the torch reference elsewhere."""
+        """The native CPU attention where it applies (bf16 on CPU; its prefill on AMX tiles where the CPU has them),
+        else on CPU in bf16 the torch path with its decode in float32; Triton's on CUDA; the torch reference
+        elsewhere."""
         bf16_on_cpu = device.type == "cpu" and self.dtype == torch.bfloat16
         kernels = cpu_kernels() if bf16_on_cpu else None
         for layer in model.layers:
             heads = layer.self_attn.attn.heads
-            if CpuPagedAttention.supports(kernels, self.dtype, device, model.config.head_dim):
+            if AmxPagedAttention.supports(kernels, self.dtype, device, model.config.head_dim):
+                layer.self_attn.attn = AmxPagedAttention(heads, kernels)
+            elif CpuPagedAttention.supports(kernels, self.dtype, device, model.config.head_dim):
                 layer.self_attn.attn = CpuPagedAttention(heads, kernels)
             elif bf16_on_cpu:
                 layer.self_attn.attn = WidenedDecodeAttention(heads)

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from gpu_worker.engine import LLM
 from gpu_worker.engine.attention import (
+    AmxPagedAttention,
     AttentionMetadata,
     CpuPagedAttention,
     HeadLayout,
@@ -34,7 +35,7 @@ from gpu_worker.engine.linear import (
     WidenedBf16LinearKernel,
     onednn_packs_bf16,
 )
-from tests.kernel_inputs import decode_metadata
+from tests.kernel_inputs import decode_metadata, mixed_step
 
 needs_avx512_bf16 = pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="the native kernels need AVX512-BF16")
 
@@ -164,6 +165,36 @@ def test_a_decode_step_in_one_native_call_rotates_writes_and_attends_as_the_refe
     assert got.shape == (len(context_lens), heads * head_dim)
     _assert_close_in_bf16(got, want)
     assert torch.equal(got_cache, want_cache) and not torch.equal(got_cache, before)
+
+
+needs_amx = pytest.mark.skipif(
+    not (cpu_has(AMX_BF16_FLAGS) and cpu_kernels() is not None and cpu_kernels().amx_usable()),
+    reason="the prefill kernel needs AMX tiles")
+
+
+@needs_amx
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(12, 4, 64), (8, 8, 32), (6, 2, 96), (16, 2, 128)])
+@pytest.mark.parametrize("block_size", [16, 128])
+def test_amx_prefill_attention_matches_the_float32_reference_as_closely_as_torchs_bf16(heads, kv_heads, head_dim,
+                                                                                       block_size):
+    torch.manual_seed(heads + head_dim)
+    cache = torch.randn(2, 1280 // block_size, kv_heads, block_size, head_dim, dtype=torch.bfloat16)
+    # Chunks alone and after cached context, partial 16-row tiles, a one-token chunk; decode rows before them.
+    chunks = [(37, 37), (16, 300), (1, 17), (100, 100), (5, 133)]
+    q, k, v, meta = mixed_step([5, 40], chunks, cache, heads)
+    layout = HeadLayout(heads, kv_heads, head_dim, head_dim**-0.5)
+    want = TorchPagedAttention(layout).attend(q.float(), k.float(), v.float(), cache.float(), meta)
+    torch_bf16 = TorchPagedAttention(layout).attend(q, k, v, cache, meta)
+    got = AmxPagedAttention(layout, cpu_kernels()).attend(q, k, v, cache, meta)
+    _assert_close_in_bf16(got, want)
+    assert (got.float() - want).abs().max() <= 1.5 * (torch_bf16.float() - want).abs().max() + 2e-3
+
+
+@needs_amx
+def test_on_a_cpu_with_amx_bf16_serving_takes_the_amx_prefill():
+    model = _one_layer_model(HeadLayout(12, 4, 64, 0.125))
+    DenseKVFormat(torch.bfloat16).install(model, torch.device("cpu"))
+    assert type(model.layers[0].self_attn.attn) is AmxPagedAttention
 
 
 @needs_avx512_bf16

@@ -93,7 +93,7 @@ def _cpu_kernels_build() -> tuple[str, list[str]]:
     return "tokenfleet_cpu_kernels", ["-mavx512f", "-mavx512bf16"]
 
 
-CPU_KERNEL_SOURCES = ("cpu_kernels.cpp", "cpu_attention_kernels.cpp")
+CPU_KERNEL_SOURCES = ("cpu_kernels.cpp", "cpu_attention_kernels.cpp", "amx_prefill_attention.cpp")
 
 
 def cpu_kernels_built() -> bool:
@@ -106,8 +106,9 @@ def cpu_kernels_built() -> bool:
 
 @functools.cache
 def cpu_kernels():
-    """`cpu_kernels.cpp` + `cpu_attention_kernels.cpp` (bf16 element-wise ops, GEMV, paged attention over bf16
-    and int8 caches) as one module, or None (it needs AVX512-BF16)."""
+    """`cpu_kernels.cpp` + `cpu_attention_kernels.cpp` + `amx_prefill_attention.cpp` (bf16 element-wise ops, GEMV,
+    decode attention over bf16 and int8 caches; where the CPU has AMX, prefill attention on its tiles) as one module,
+    or None (it needs AVX512-BF16)."""
     if not cpu_has_avx512_bf16():
         return None
     name, flags = _cpu_kernels_build()

@@ -5,6 +5,9 @@
 
 #include "cpu_kernels.h"
 #include "sum16.h"
+#ifdef TOKENFLEET_AMX
+#include "amx_tiles.h"
+#endif
 
 // y[1, N] = x[1, K] @ w[N, K]^T with fp32 accumulation. Batch-1 decode is one such product per weight;
 // oneDNN's bf16 path reaches about 60% of the read bandwidth on it. Each OpenMP thread takes one
@@ -297,4 +300,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gather_int8_bf16", &gather_int8_bf16);
   m.def("decode_step_bf16", &decode_step_bf16);
   m.def("decode_step_int8", &decode_step_int8);
+#ifdef TOKENFLEET_AMX
+  m.def("amx_usable", &amx_permitted, "whether Linux lets this process use AMX tiles");
+  m.def("prefill_attention_bf16", &prefill_attention_bf16);
+#endif
 }

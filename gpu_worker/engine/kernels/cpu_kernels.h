@@ -104,3 +104,9 @@ torch::Tensor decode_step_int8(torch::Tensor& qkv, const torch::Tensor& cos, con
                                const torch::Tensor& slot_blocks, const torch::Tensor& slot_offsets,
                                const torch::Tensor& block_tables, const torch::Tensor& context_lens, int64_t H,
                                int64_t KVH, double scale);
+#ifdef TOKENFLEET_AMX
+void prefill_attention_bf16(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                            const torch::Tensor& query_starts, const torch::Tensor& query_lens,
+                            const torch::Tensor& context_lens, const torch::Tensor& block_tables, double scale,
+                            torch::Tensor& out);
+#endif
