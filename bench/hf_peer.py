@@ -32,7 +32,7 @@ def left_padded(batch: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _generate(model, batch: list[list[int]], new_tokens: int) -> None:
-    ids, mask = left_padded(batch)
+    ids, mask = (t.to(model.device) for t in left_padded(batch))
     with torch.inference_mode():
         model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
                        min_new_tokens=new_tokens, pad_token_id=0)

@@ -1,0 +1,165 @@
+"""Where a decode step's time goes on a GPU: the host's share (scheduling, input building, sampling, output
+processing, each timed) against the GPU's (one CUDA-graph replay, timed by events), and the GPU's own time by
+kernel (torch.profiler over eager forwards), at batch 1 and at a full bucket of decode rows.
+
+    python -m bench.gpu_profile --model /tmp/llama3-8b-random [--rows 64] [--out DIR]
+
+Prints the tables; with --out also writes gpu_profile.json. About a minute on an H200 with a Llama-3-8B-shaped
+checkpoint (`python -m bench.make_checkpoint`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from .workloads import batch1, mixed
+
+
+class HostTimers:
+    """Wraps named methods of objects so each call's wall time adds up under its name."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    def wrap(self, owner, method: str, name: str) -> None:
+        inner = getattr(owner, method)
+
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.seconds[name] += time.perf_counter() - started
+
+        setattr(owner, method, timed)
+
+
+def _replay_ms(replay, iters: int = 50) -> float:
+    """GPU milliseconds of one replay of a captured decode graph, by events over `iters` back-to-back replays."""
+    replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def _steps(engine, work, prefix: str) -> tuple[int, float]:
+    """Runs `work` to the end; (decode steps, their wall seconds), prefill steps left out."""
+    from gpu_worker.engine import SamplingParams
+
+    for i, (prompt, n) in enumerate(zip(work.prompts, work.output_lens, strict=True)):
+        engine.add_request(f"{prefix}{i}", prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+    steps, seconds = 0, 0.0
+    while engine.has_unfinished_requests():
+        decoding = not engine.scheduler.waiting and all(s.num_computed_tokens >= s.num_prompt_tokens
+                                                         for s in engine.scheduler.running)
+        started = time.perf_counter()
+        engine.step()
+        if decoding:
+            steps, seconds = steps + 1, seconds + time.perf_counter() - started
+    return steps, seconds
+
+
+def host_breakdown(llm, rows: int, vocab: int) -> dict:
+    """One decode run at `rows` requests: the mean decode step's wall time, its parts on the host, and the GPU
+    time of the graph the step replays."""
+    engine, runner = llm.engine, llm.engine.runner
+    timers = HostTimers()
+    timers.wrap(engine.scheduler, "schedule", "schedule")
+    timers.wrap(runner, "prepare", "prepare inputs")
+    timers.wrap(runner.graphs, "run", "graph: copy inputs + replay launch")
+    timers.wrap(runner, "_sample", "logits + sample (waits for the GPU)")
+    timers.wrap(engine.scheduler, "update", "scheduler update")
+    timers.wrap(engine, "_process_samples", "outputs (detokenize)")
+    work = (batch1(vocab, 128, 64, seed=3) if rows == 1
+            else mixed(vocab, rows, prompt_range=(112, 144), output_range=(64, 64), seed=3))
+    _steps(engine, work, "warm")
+    timers.seconds.clear()
+    steps, seconds = _steps(engine, work, "host")
+    bucket = next(b for b in runner.graphs.buckets if b >= rows)
+    step_ms = seconds / steps * 1e3
+    return {"rows": rows, "decode_steps": steps, "step_ms": step_ms,
+            "graph_replay_gpu_ms": _replay_ms(runner.graphs.replays[bucket]),
+            "host_ms": {name: s / steps * 1e3 for name, s in timers.seconds.items()}}
+
+
+def kernel_breakdown(llm, rows: int, vocab: int, top: int = 12) -> list[dict]:
+    """GPU time by kernel over eager decode steps of `rows` rows (CUDA graphs set aside for the profile); CPU time
+    by op where there is no GPU."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from gpu_worker.engine.cuda_graphs import NoDecodeGraphs
+
+    engine, runner, gpu = llm.engine, llm.engine.runner, torch.cuda.is_available()
+    graphs, runner.graphs = runner.graphs, NoDecodeGraphs()
+    try:
+        work = mixed(vocab, rows, prompt_range=(112, 144), output_range=(8, 8), seed=4)
+        from gpu_worker.engine import SamplingParams
+
+        for i, (prompt, n) in enumerate(zip(work.prompts, work.output_lens, strict=True)):
+            engine.add_request(f"prof{rows}-{i}", prompt, SamplingParams(temperature=0.0, max_tokens=n,
+                                                                          ignore_eos=True))
+        while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens
+                                              for s in engine.scheduler.running):
+            engine.step()
+        engine.step()  # a decode step outside the profile: its kernels compiled
+        decode_steps = 0
+        with profile(activities=[ProfilerActivity.CUDA if gpu else ProfilerActivity.CPU]) as prof:
+            while engine.has_unfinished_requests():
+                engine.step()
+                decode_steps += 1
+        if gpu:
+            torch.cuda.synchronize()
+    finally:
+        runner.graphs = graphs
+    spent = (lambda e: e.device_time_total) if gpu else (lambda e: e.self_cpu_time_total)
+    events = sorted(prof.key_averages(), key=lambda e: -spent(e))
+    total = sum(spent(e) for e in events) or 1.0
+    return [{"kernel": e.key[:90], "calls_per_step": e.count / decode_steps,
+             "us_per_step": spent(e) / decode_steps, "share": spent(e) / total} for e in events[:top]]
+
+
+def format_report(r: dict) -> str:
+    lines = [f"bench.gpu_profile: {r['model']} bf16 on {r['device_name']}"]
+    for h in r["host"]:
+        lines.append(f"\ndecode step at {h['rows']} rows: {h['step_ms']:.2f} ms wall, graph replay on the GPU "
+                     f"{h['graph_replay_gpu_ms']:.2f} ms ({h['graph_replay_gpu_ms'] / h['step_ms']:.0%} of the step)")
+        lines += [f"  {name:<40} {ms:7.3f} ms" for name, ms in h["host_ms"].items()]
+    for rows, kernels in r["kernels"].items():
+        lines.append(f"\nGPU time by kernel, eager decode steps of {rows} rows (us per step, calls per step):")
+        lines += [f"  {k['us_per_step']:8.1f} us {k['share']:5.1%} x{k['calls_per_step']:<5.0f} {k['kernel']}"
+                  for k in kernels]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--rows", type=int, default=64)
+    p.add_argument("--out", type=Path)
+    args = p.parse_args()
+    from gpu_worker.engine import LLM
+
+    llm = LLM(args.model, dtype="bfloat16", device="cuda", enable_prefix_caching=False,
+              gpu_memory_utilization=0.5, max_num_seqs=args.rows)
+    vocab = llm.engine.model_config.vocab_size
+    result = {"model": args.model, "device_name": torch.cuda.get_device_name(),
+              "host": [host_breakdown(llm, rows, vocab) for rows in (1, args.rows)],
+              "kernels": {rows: kernel_breakdown(llm, rows, vocab) for rows in (1, args.rows)}}
+    print(format_report(result), flush=True)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "gpu_profile.json").write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
