@@ -1,6 +1,7 @@
 """Where a decode step's time goes on a GPU: the host's share (scheduling, input building, sampling, output
 processing, each timed) against the GPU's (one CUDA-graph replay, timed by events), and the GPU's own time by
-kernel (torch.profiler over eager forwards), at batch 1 and at a full bucket of decode rows.
+kernel (torch.profiler over eager forwards), at batch 1 and at a full bucket of decode rows; then the paged decode
+kernel's time per call by split size, over tables as wide as a CUDA graph's (programs past a context exit at once).
 
     python -m bench.gpu_profile --model /tmp/llama3-8b-random [--rows 64] [--out DIR]
 
@@ -11,6 +12,7 @@ checkpoint (`python -m bench.make_checkpoint`).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import time
 from collections import defaultdict
@@ -52,20 +54,26 @@ def _replay_ms(replay, iters: int = 50) -> float:
     return start.elapsed_time(end) / iters
 
 
-def _steps(engine, work, prefix: str) -> tuple[int, float]:
-    """Runs `work` to the end; (decode steps, their wall seconds), prefill steps left out."""
+def _steps(engine, work, prefix: str, timers: HostTimers | None = None) -> tuple[int, float]:
+    """Runs `work` to the end; (decode steps, their wall seconds). Prefill steps are left out, and so are their
+    host parts from `timers`."""
     from gpu_worker.engine import SamplingParams
 
     for i, (prompt, n) in enumerate(zip(work.prompts, work.output_lens, strict=True)):
         engine.add_request(f"{prefix}{i}", prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
-    steps, seconds = 0, 0.0
+    steps, seconds, decode_parts = 0, 0.0, defaultdict(float)
     while engine.has_unfinished_requests():
         decoding = not engine.scheduler.waiting and all(s.num_computed_tokens >= s.num_prompt_tokens
                                                          for s in engine.scheduler.running)
+        before = dict(timers.seconds) if timers else {}
         started = time.perf_counter()
         engine.step()
         if decoding:
             steps, seconds = steps + 1, seconds + time.perf_counter() - started
+            for name, total in (timers.seconds if timers else {}).items():
+                decode_parts[name] += total - before.get(name, 0.0)
+    if timers:
+        timers.seconds = decode_parts
     return steps, seconds
 
 
@@ -83,8 +91,7 @@ def host_breakdown(llm, rows: int, vocab: int) -> dict:
     work = (batch1(vocab, 128, 64, seed=3) if rows == 1
             else mixed(vocab, rows, prompt_range=(112, 144), output_range=(64, 64), seed=3))
     _steps(engine, work, "warm")
-    timers.seconds.clear()
-    steps, seconds = _steps(engine, work, "host")
+    steps, seconds = _steps(engine, work, "host", timers)
     bucket = next(b for b in runner.graphs.buckets if b >= rows)
     step_ms = seconds / steps * 1e3
     return {"rows": rows, "decode_steps": steps, "step_ms": step_ms,
@@ -128,16 +135,50 @@ def kernel_breakdown(llm, rows: int, vocab: int, top: int = 12) -> list[dict]:
              "us_per_step": spent(e) / decode_steps, "share": spent(e) / total} for e in events[:top]]
 
 
+ATTENTION_CASES = [(1, 192), (64, 192), (1, 2048), (64, 2048), (1, 8192)]  # (rows, context)
+SPLITS = (64, 128, 256)
+
+
+def _decode_us(batch: int, context: int, width: int, split: int, kv_heads: int = 8, heads: int = 32,
+               head_dim: int = 128, block: int = 16, device: str = "cuda") -> float:
+    """Microseconds per `paged_decode` call (bf16, Llama-3-8B's heads) over tables `width` tokens wide."""
+    from gpu_worker.engine.kernels.triton_paged_attention import paged_decode
+
+    from .gpu import _seconds
+
+    on, blocks = torch.device(device), width // block
+    k = torch.randn(batch * blocks, kv_heads, block, head_dim, device=on, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    tables = torch.arange(batch * blocks, device=on).view(batch, blocks)
+    lens = torch.full((batch,), context, device=on)
+    q = torch.randn(batch, heads, head_dim, device=on, dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    return _seconds(lambda: paged_decode(q, k, v, tables, lens, head_dim**-0.5, out=out, split_tokens=split),
+                    on) * 1e6
+
+
+def attention_splits(width: int = 8192) -> list[dict]:
+    """Each case's microseconds per call by split size, over tables as wide as a decode graph's."""
+    return [{"rows": batch, "context": context, **{f"split {s}": _decode_us(batch, context, width, s) for s in SPLITS}}
+            for batch, context in ATTENTION_CASES]
+
+
 def format_report(r: dict) -> str:
     lines = [f"bench.gpu_profile: {r['model']} bf16 on {r['device_name']}"]
     for h in r["host"]:
         lines.append(f"\ndecode step at {h['rows']} rows: {h['step_ms']:.2f} ms wall, graph replay on the GPU "
                      f"{h['graph_replay_gpu_ms']:.2f} ms ({h['graph_replay_gpu_ms'] / h['step_ms']:.0%} of the step)")
         lines += [f"  {name:<40} {ms:7.3f} ms" for name, ms in h["host_ms"].items()]
+        lines.append(f"  {'the rest of the step':<40} "
+                     f"{h['step_ms'] - sum(h['host_ms'].values()) :7.3f} ms")
     for rows, kernels in r["kernels"].items():
         lines.append(f"\nGPU time by kernel, eager decode steps of {rows} rows (us per step, calls per step):")
         lines += [f"  {k['us_per_step']:8.1f} us {k['share']:5.1%} x{k['calls_per_step']:<5.0f} {k['kernel']}"
                   for k in kernels]
+    lines.append("\npaged decode, us per call, tables 8192 tokens wide, by tokens per split:")
+    lines.append("  rows context " + "".join(f"{'split ' + str(s):>11}" for s in SPLITS))
+    lines += [f"  {a['rows']:>4} {a['context']:>7} " + "".join(f"{a[f'split {s}']:>11.1f}" for s in SPLITS)
+              for a in r["attention_splits"]]
     return "\n".join(lines)
 
 
@@ -155,6 +196,10 @@ def main() -> None:
     result = {"model": args.model, "device_name": torch.cuda.get_device_name(),
               "host": [host_breakdown(llm, rows, vocab) for rows in (1, args.rows)],
               "kernels": {rows: kernel_breakdown(llm, rows, vocab) for rows in (1, args.rows)}}
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    result["attention_splits"] = attention_splits()
     print(format_report(result), flush=True)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

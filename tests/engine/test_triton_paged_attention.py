@@ -59,11 +59,27 @@ def test_triton_decode_over_a_dense_cache_matches_the_reference(heads, kv_heads,
     _assert_close(*_dense_decode(heads, kv_heads, head_dim, dtype, CONTEXTS), dtype)
 
 
-@pytest.mark.parametrize("split_tokens", [256, 704])
+@pytest.mark.parametrize("split_tokens", [64, 256, 704])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_triton_decode_split_over_a_long_context_matches_the_reference(split_tokens, dtype):
-    # Splits past the shorter rows' contexts are empty: their partials must not count.
+    # Splits past the shorter rows' contexts are empty: their partials must not count; 4100 tokens in splits of
+    # 64 are merged over several groups of splits.
     _assert_close(*_dense_decode(8, 2, 64, dtype, [4100, 1, 700], split_tokens=split_tokens), dtype)
+
+
+@pytest.mark.parametrize("contexts", [[1100, 1, 190, 256], [1, 190, 256]])  # split; all within one split
+def test_triton_decode_is_the_same_to_the_bit_over_wider_tables(contexts):
+    """What makes a CUDA graph's step (tables as wide as the longest context served) and an eager one (tables as
+    wide as the step's longest) sum alike: splits fall at the same tokens and are merged in the same order."""
+    heads, kv_heads, head_dim = 8, 2, 64
+    torch.manual_seed(7)
+    meta = decode_metadata(contexts, 200, BLOCK_SIZE)
+    cache = torch.randn(2, 200, kv_heads, BLOCK_SIZE, head_dim).to(DEVICE)
+    q = torch.randn(len(contexts), heads, head_dim).to(DEVICE)
+    tables, lens = meta.decode_block_tables.to(DEVICE), meta.decode_context_lens.to(DEVICE)
+    wide = torch.cat([tables, torch.zeros(len(contexts), 64, dtype=tables.dtype, device=DEVICE)], 1)  # 4 more splits
+    eager = paged_decode(q, cache[0], cache[1], tables, lens, head_dim**-0.5)
+    assert torch.equal(paged_decode(q, cache[0], cache[1], wide, lens, head_dim**-0.5), eager)
 
 
 def test_triton_decode_of_one_row_over_a_4k_context_matches_the_reference():

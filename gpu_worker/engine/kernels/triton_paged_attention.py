@@ -8,9 +8,10 @@ value.
 
 - `paged_decode`: one query token per row. One program per (row, KV head, split) serves all the query heads of
   its group (GQA) with one `tl.dot`, the group padded to 16 rows; long contexts are split every SPLIT_TOKENS
-  across programs (flash-decoding) and `_combine_splits` merges the partial softmaxes. The split count depends
-  only on the tables' width, so a CUDA graph captured for a batch bucket replays it for any context lengths; it
-  is a runtime argument, so a new count compiles nothing.
+  across programs (flash-decoding) and `_combine_splits` merges the partial softmaxes, a fixed group at a time; a
+  context of one split is written directly. The split count depends only on the tables' width, so a CUDA graph
+  captured for a batch bucket replays it for any context lengths; it is a runtime argument, so a new count
+  compiles nothing.
 - `paged_prefill`: chunked prefill over the paged cache, varlen: one program per (chunk, BLOCK_M query rows,
   query head), causal within the chunk and full over the context cached before it. The chunk's own keys are
   already in the cache (written before attention), so cached and new keys are read alike.
@@ -34,6 +35,7 @@ PREFILL_BLOCK_N = 64
 # splits at the same places whatever the batch or the tables' width: a CUDA graph's step (tables padded to the
 # longest context served) and an eager step then sum in the same order.
 SPLIT_TOKENS = 256
+COMBINE_SPLIT_GROUP = 16  # splits merged at a time: 4k tokens' worth in one pass
 
 
 @triton.jit
@@ -99,31 +101,56 @@ def _paged_decode(q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, tables_ptr, len
                                         cols, valid, valid[None, :], kv_head, rd, best, total, acc, scale, KVH,
                                         BLOCK_SIZE, D, QUANTIZED, FP32)
     rows = b * H + heads
-    if not SPLIT:
-        tl.store(out_ptr + rows[:, None] * D + rd[None, :], (acc / total[:, None]).to(out_ptr.dtype.element_ty),
-                 mask=head_mask)
-    else:  # this split's unnormalized sums and its softmax's max and mass
-        part_rows = rows * num_splits + split
-        tl.store(part_ptr + part_rows[:, None] * D + rd[None, :], acc, mask=head_mask)
-        tl.store(stats_ptr + part_rows * 2, best, mask=rg < GROUP)
-        tl.store(stats_ptr + part_rows * 2 + 1, total, mask=rg < GROUP)
+    # A context of one split (the tables' width: SPLIT, known when compiling; else the row's own length) is written
+    # here, with no round trip through the partials.
+    if SPLIT:
+        if length > tokens_per_split:  # this split's unnormalized sums and its softmax's max and mass
+            part_rows = rows * num_splits + split
+            tl.store(part_ptr + part_rows[:, None] * D + rd[None, :], acc, mask=head_mask)
+            tl.store(stats_ptr + part_rows * 2, best, mask=rg < GROUP)
+            tl.store(stats_ptr + part_rows * 2 + 1, total, mask=rg < GROUP)
+        else:
+            _store_output(out_ptr, rows, rd, acc, total, head_mask, D)
+    else:
+        _store_output(out_ptr, rows, rd, acc, total, head_mask, D)
+
+
+@triton.jit
+def _store_output(out_ptr, rows, rd, acc, total, head_mask, D: tl.constexpr):
+    tl.store(out_ptr + rows[:, None] * D + rd[None, :], (acc / total[:, None]).to(out_ptr.dtype.element_ty),
+             mask=head_mask)
 
 
 @triton.jit
 def _combine_splits(part_ptr, stats_ptr, out_ptr, lens_ptr, H, tokens_per_split, num_splits,
-                    SPLITS_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr):
-    row = tl.program_id(0)  # a (batch row, query head)
-    rs = tl.arange(0, SPLITS_PAD)
+                    SPLIT_GROUP: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr):
+    """Merges a (row, query head)'s partial softmaxes, SPLIT_GROUP splits at a time: a fixed group, not one as wide
+    as the tables, so that a CUDA graph's step and an eager one sum in the same order (on an H200, merged over 8
+    lanes and over 16, the same splits and zeros beyond them, a row's output differed)."""
+    row = tl.program_id(0)
+    row_splits = tl.cdiv(tl.load(lens_ptr + row // H), tokens_per_split)
+    if row_splits <= 1:  # `_paged_decode` wrote this row's output
+        return
+    rs = tl.arange(0, SPLIT_GROUP)
     rd = tl.arange(0, D_PAD)
-    valid = rs < tl.cdiv(tl.load(lens_ptr + row // H), tokens_per_split)  # the splits that held tokens
-    part_rows = row * num_splits + rs
-    best = tl.load(stats_ptr + part_rows * 2, mask=valid, other=float("-inf"))
-    total = tl.load(stats_ptr + part_rows * 2 + 1, mask=valid, other=0.0)
-    acc = tl.load(part_ptr + part_rows[:, None] * D + rd[None, :], mask=valid[:, None] & (rd[None, :] < D),
-                  other=0.0)
-    weight = tl.exp(best - tl.max(best, axis=0))
-    out = tl.sum(acc * weight[:, None], axis=0) / tl.sum(total * weight, axis=0)
-    tl.store(out_ptr + row * D + rd, out.to(out_ptr.dtype.element_ty), mask=rd < D)
+    first = row * num_splits
+    best_all = tl.max(tl.load(stats_ptr + (first + rs) * 2, mask=rs < row_splits, other=float("-inf")), axis=0)
+    for group in range(SPLIT_GROUP, row_splits, SPLIT_GROUP):
+        best = tl.load(stats_ptr + (first + group + rs) * 2, mask=group + rs < row_splits, other=float("-inf"))
+        best_all = tl.maximum(best_all, tl.max(best, axis=0))
+    acc_sum = tl.zeros((D_PAD,), tl.float32)
+    total_sum = tl.sum(tl.zeros((SPLIT_GROUP,), tl.float32), axis=0)
+    for group in range(0, row_splits, SPLIT_GROUP):
+        valid = group + rs < row_splits
+        part_rows = first + group + rs
+        best = tl.load(stats_ptr + part_rows * 2, mask=valid, other=float("-inf"))
+        total = tl.load(stats_ptr + part_rows * 2 + 1, mask=valid, other=0.0)
+        acc = tl.load(part_ptr + part_rows[:, None] * D + rd[None, :], mask=valid[:, None] & (rd[None, :] < D),
+                      other=0.0)
+        weight = tl.exp(best - best_all)
+        acc_sum += tl.sum(acc * weight[:, None], axis=0)
+        total_sum += tl.sum(total * weight, axis=0)
+    tl.store(out_ptr + row * D + rd, (acc_sum / total_sum).to(out_ptr.dtype.element_ty), mask=rd < D)
 
 
 def _row_strided(q: torch.Tensor) -> torch.Tensor:
@@ -160,7 +187,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         BLOCK_N=DECODE_BLOCK_N, QUANTIZED=quantized, FP32=q.dtype == torch.float32)
     if num_splits > 1:
         _combine_splits[(batch * heads,)](part, stats, out, context_lens, heads, split_tokens, num_splits,
-                                          SPLITS_PAD=triton.next_power_of_2(num_splits), D=dim, D_PAD=d_pad)
+                                          SPLIT_GROUP=COMBINE_SPLIT_GROUP, D=dim, D_PAD=d_pad)
     return out
 
 
