@@ -24,10 +24,12 @@ from .workloads import batch1, mixed
 
 
 class HostTimers:
-    """Wraps named methods of objects so each call's wall time adds up under its name."""
+    """Wraps named methods of objects so each call's wall time adds up under its name; as a context manager,
+    takes the wrappers off again on exit."""
 
     def __init__(self):
         self.seconds: dict[str, float] = defaultdict(float)
+        self.wrapped: list[tuple[object, str]] = []
 
     def wrap(self, owner, method: str, name: str) -> None:
         inner = getattr(owner, method)
@@ -39,7 +41,15 @@ class HostTimers:
             finally:
                 self.seconds[name] += time.perf_counter() - started
 
-        setattr(owner, method, timed)
+        setattr(owner, method, timed)  # an instance attribute, over the class's method
+        self.wrapped.append((owner, method))
+
+    def __enter__(self) -> HostTimers:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for owner, method in self.wrapped:
+            delattr(owner, method)
 
 
 def _replay_ms(replay, iters: int = 50) -> float:
@@ -81,17 +91,17 @@ def host_breakdown(llm, rows: int, vocab: int) -> dict:
     """One decode run at `rows` requests: the mean decode step's wall time, its parts on the host, and the GPU
     time of the graph the step replays."""
     engine, runner = llm.engine, llm.engine.runner
-    timers = HostTimers()
-    timers.wrap(engine.scheduler, "schedule", "schedule")
-    timers.wrap(runner, "prepare", "prepare inputs")
-    timers.wrap(runner.graphs, "run", "graph: copy inputs + replay launch")
-    timers.wrap(runner, "_sample", "logits + sample (waits for the GPU)")
-    timers.wrap(engine.scheduler, "update", "scheduler update")
-    timers.wrap(engine, "_process_samples", "outputs (detokenize)")
     work = (batch1(vocab, 128, 64, seed=3) if rows == 1
             else mixed(vocab, rows, prompt_range=(112, 144), output_range=(64, 64), seed=3))
     _steps(engine, work, "warm")
-    steps, seconds = _steps(engine, work, "host", timers)
+    with HostTimers() as timers:
+        timers.wrap(engine.scheduler, "schedule", "schedule")
+        timers.wrap(runner, "prepare", "prepare inputs")
+        timers.wrap(runner.graphs, "run", "graph: copy inputs + replay launch")
+        timers.wrap(runner, "_sample", "logits + sample (waits for the GPU)")
+        timers.wrap(engine.scheduler, "update", "scheduler update")
+        timers.wrap(engine, "_process_samples", "outputs (detokenize)")
+        steps, seconds = _steps(engine, work, "host", timers)
     bucket = next(b for b in runner.graphs.buckets if b >= rows)
     step_ms = seconds / steps * 1e3
     return {"rows": rows, "decode_steps": steps, "step_ms": step_ms,
