@@ -24,12 +24,13 @@ from .workloads import batch1, mixed
 
 
 class HostTimers:
-    """Wraps named methods of objects so each call's wall time adds up under its name; as a context manager,
-    takes the wrappers off again on exit."""
+    """Wraps named methods of objects so each call's wall time adds up under its name while `counting`; as a
+    context manager, takes the wrappers off again on exit."""
 
     def __init__(self):
         self.seconds: dict[str, float] = defaultdict(float)
         self.wrapped: list[tuple[object, str]] = []
+        self.counting = True
 
     def wrap(self, owner, method: str, name: str) -> None:
         inner = getattr(owner, method)
@@ -39,7 +40,8 @@ class HostTimers:
             try:
                 return inner(*args, **kwargs)
             finally:
-                self.seconds[name] += time.perf_counter() - started
+                if self.counting:
+                    self.seconds[name] += time.perf_counter() - started
 
         setattr(owner, method, timed)  # an instance attribute, over the class's method
         self.wrapped.append((owner, method))
@@ -64,26 +66,30 @@ def _replay_ms(replay, iters: int = 50) -> float:
     return start.elapsed_time(end) / iters
 
 
-def _steps(engine, work, prefix: str, timers: HostTimers | None = None) -> tuple[int, float]:
-    """Runs `work` to the end; (decode steps, their wall seconds). Prefill steps are left out, and so are their
-    host parts from `timers`."""
+def _add_greedy(engine, work, prefix: str) -> None:
     from gpu_worker.engine import SamplingParams
 
     for i, (prompt, n) in enumerate(zip(work.prompts, work.output_lens, strict=True)):
         engine.add_request(f"{prefix}{i}", prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
-    steps, seconds, decode_parts = 0, 0.0, defaultdict(float)
+
+
+def _prefilling(engine) -> bool:
+    """Whether the next step holds prompt tokens: a request waits, or a running one's prompt is not all computed."""
+    scheduler = engine.scheduler
+    return bool(scheduler.waiting) or any(s.num_computed_tokens < s.num_prompt_tokens for s in scheduler.running)
+
+
+def _steps(engine, work, prefix: str, timers: HostTimers) -> tuple[int, float]:
+    """Runs `work` to the end; (decode steps, their wall seconds). Prefill steps are left out, and so are their
+    host parts from `timers`."""
+    _add_greedy(engine, work, prefix)
+    steps, seconds = 0, 0.0
     while engine.has_unfinished_requests():
-        decoding = not engine.scheduler.waiting and all(s.num_computed_tokens >= s.num_prompt_tokens
-                                                         for s in engine.scheduler.running)
-        before = dict(timers.seconds) if timers else {}
+        timers.counting = decoding = not _prefilling(engine)
         started = time.perf_counter()
         engine.step()
         if decoding:
             steps, seconds = steps + 1, seconds + time.perf_counter() - started
-            for name, total in (timers.seconds if timers else {}).items():
-                decode_parts[name] += total - before.get(name, 0.0)
-    if timers:
-        timers.seconds = decode_parts
     return steps, seconds
 
 
@@ -93,7 +99,7 @@ def host_breakdown(llm, rows: int, vocab: int) -> dict:
     engine, runner = llm.engine, llm.engine.runner
     work = (batch1(vocab, 128, 64, seed=3) if rows == 1
             else mixed(vocab, rows, prompt_range=(112, 144), output_range=(64, 64), seed=3))
-    _steps(engine, work, "warm")
+    _steps(engine, work, "warm", HostTimers())
     with HostTimers() as timers:
         timers.wrap(engine.scheduler, "schedule", "schedule")
         timers.wrap(runner, "prepare", "prepare inputs")
@@ -119,14 +125,8 @@ def kernel_breakdown(llm, rows: int, vocab: int, top: int = 12) -> list[dict]:
     engine, runner, gpu = llm.engine, llm.engine.runner, torch.cuda.is_available()
     graphs, runner.graphs = runner.graphs, NoDecodeGraphs()
     try:
-        work = mixed(vocab, rows, prompt_range=(112, 144), output_range=(8, 8), seed=4)
-        from gpu_worker.engine import SamplingParams
-
-        for i, (prompt, n) in enumerate(zip(work.prompts, work.output_lens, strict=True)):
-            engine.add_request(f"prof{rows}-{i}", prompt, SamplingParams(temperature=0.0, max_tokens=n,
-                                                                          ignore_eos=True))
-        while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens
-                                              for s in engine.scheduler.running):
+        _add_greedy(engine, mixed(vocab, rows, prompt_range=(112, 144), output_range=(8, 8), seed=4), f"prof{rows}-")
+        while _prefilling(engine):
             engine.step()
         engine.step()  # a decode step outside the profile: its kernels compiled
         decode_steps = 0
