@@ -2,8 +2,9 @@
 they apply.
 
 bf16 element-wise ops in torch on CPU run several times slower than their fp32 math needs; the kernels in
-`kernels/cpu_kernels.cpp` do the same math with the same bf16 rounding, in one pass. On CUDA each torch op is a
-launch and a round trip through memory; `kernels/triton_ops.py` makes each op one.
+`kernels/elementwise.h` (built for AVX-512, or AVX2 where the CPU has no AVX-512) do the same math with the same
+bf16 rounding, in one pass. On CUDA each torch op is a launch and a round trip through memory;
+`kernels/triton_ops.py` makes each op one.
 """
 
 from __future__ import annotations
@@ -11,15 +12,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .kernels import cpu_kernels, triton_available
+from .kernels import elementwise_kernels, triton_available
 from .rope import apply_rotary
 
 
 def _native(x: torch.Tensor, vector_width: int = 0):
-    """The native kernels where they apply: contiguous bf16 on CPU, `vector_width` a multiple of 32."""
+    """The native element-wise kernels where they apply: contiguous bf16 on CPU, `vector_width` a multiple of 32."""
     if x.dtype != torch.bfloat16 or x.device.type != "cpu" or vector_width % 32 or not x.is_contiguous():
         return None
-    return cpu_kernels()
+    return elementwise_kernels()
 
 
 def _triton(x: torch.Tensor):

@@ -20,6 +20,8 @@ from gpu_worker.engine.attention import (
 )
 from gpu_worker.engine.kernels import (
     AMX_BF16_FLAGS,
+    AVX2_FLAGS,
+    avx2_kernels,
     cpu_has,
     cpu_has_avx512_bf16,
     cpu_kernels,
@@ -38,6 +40,12 @@ from gpu_worker.engine.linear import (
 from tests.kernel_inputs import decode_metadata, mixed_step
 
 needs_avx512_bf16 = pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="the native kernels need AVX512-BF16")
+# The element-wise kernels, one source built for each vector width this CPU has.
+ELEMENTWISE_BUILDS = [
+    pytest.param(cpu_kernels, marks=needs_avx512_bf16, id="avx512"),
+    pytest.param(avx2_kernels, marks=pytest.mark.skipif(not cpu_has(AVX2_FLAGS), reason="the CPU has no AVX2"),
+                 id="avx2"),
+]
 
 
 def _assert_close_in_bf16(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -213,24 +221,34 @@ def test_native_kv_write_fills_the_same_slots_as_the_reference_from_a_fused_qkv_
     assert torch.equal(caches[0], caches[1]) and caches[0].count_nonzero() == 2 * k.numel()
 
 
-@needs_avx512_bf16
+@pytest.mark.parametrize("kernels", ELEMENTWISE_BUILDS)
 @pytest.mark.parametrize("rows", [1, 7, 300])
-def test_native_rms_norm_add_rms_norm_and_silu_and_mul_match_their_references(rows):
+def test_native_rms_norm_add_rms_norm_and_silu_and_mul_match_their_references(kernels, rows):
     from gpu_worker.engine import ops
 
     torch.manual_seed(rows)
     x = torch.randn(rows, 256, dtype=torch.bfloat16) * 3
     weight = torch.randn(256, dtype=torch.bfloat16)
-    _assert_close_in_bf16(cpu_kernels().rms_norm_bf16(x, weight, 1e-5), ops.rms_norm_reference(x, weight, 1e-5))
-    _assert_close_in_bf16(cpu_kernels().silu_and_mul_bf16(x), ops.silu_and_mul_reference(x))
+    _assert_close_in_bf16(kernels().rms_norm_bf16(x, weight, 1e-5), ops.rms_norm_reference(x, weight, 1e-5))
+    _assert_close_in_bf16(kernels().silu_and_mul_bf16(x), ops.silu_and_mul_reference(x))
     residual = torch.randn_like(x)
-    for got, want in zip(cpu_kernels().add_rms_norm_bf16(x, residual, weight, 1e-5),
+    for got, want in zip(kernels().add_rms_norm_bf16(x, residual, weight, 1e-5),
                          ops.add_rms_norm_reference(x, residual, weight, 1e-5), strict=True):
         _assert_close_in_bf16(got, want)
 
 
-@needs_avx512_bf16
-def test_native_argmax_takes_the_first_maximum_like_torch():
+@pytest.mark.parametrize("kernels", ELEMENTWISE_BUILDS)
+def test_native_silu_and_mul_holds_at_magnitudes_where_its_exp_leaves_float32s_range(kernels):
+    from gpu_worker.engine import ops
+
+    gate = torch.tensor([-1e4, -1000, -100, -88.5, -60, -1, 0, 1, 60, 88.5, 100, 1000, 1e4, -3e38, 3e38, 2])
+    x = torch.cat([gate.repeat(2), torch.full((32,), 0.5)]).to(torch.bfloat16)[None]
+    got, want = kernels().silu_and_mul_bf16(x), ops.silu_and_mul_reference(x)
+    assert torch.equal(got, want), (got, want)
+
+
+@pytest.mark.parametrize("kernels", ELEMENTWISE_BUILDS)
+def test_native_argmax_takes_the_first_maximum_like_torch(kernels):
     torch.manual_seed(3)
     logits = torch.randn(13, 1001, dtype=torch.float32).to(torch.bfloat16)
     logits[0, 5] = logits[0, 700] = 99.0  # a tie: the first index wins
@@ -242,14 +260,14 @@ def test_native_argmax_takes_the_first_maximum_like_torch():
     logits[6, 300], logits[6, 40] = float("nan"), 99.0  # a NaN counts as the maximum
     logits[7, :] = 1.0  # every value tied
     logits[8] = (logits[8] * 4).round() / 4  # bf16 logits tie often: coarse values
-    got = cpu_kernels().argmax_bf16(logits)
+    got = kernels().argmax_bf16(logits)
     assert got.tolist() == logits.argmax(dim=-1).tolist()
     assert got[:8].tolist() == [5, 1000, 18, 5, 900, 0, 300, 0]
-    assert cpu_kernels().argmax_bf16(logits[:, :7].contiguous()).tolist() == logits[:, :7].argmax(dim=-1).tolist()
+    assert kernels().argmax_bf16(logits[:, :7].contiguous()).tolist() == logits[:, :7].argmax(dim=-1).tolist()
 
 
-@needs_avx512_bf16
-def test_native_rotary_matches_the_reference_in_place():
+@pytest.mark.parametrize("kernels", ELEMENTWISE_BUILDS)
+def test_native_rotary_matches_the_reference_in_place(kernels):
     from gpu_worker.engine import ops
     from gpu_worker.engine.rope import RotaryEmbedding
 
@@ -260,10 +278,20 @@ def test_native_rotary_matches_the_reference_in_place():
     want = qkv.clone()
     ops.rotary_reference_(want, cos, sin, heads, head_dim)
     got = qkv.clone()
-    cpu_kernels().rotary_inplace_bf16(got, cos, sin, heads, head_dim)
+    kernels().rotary_inplace_bf16(got, cos, sin, heads, head_dim)
     assert torch.equal(got[:, heads * head_dim:], qkv[:, heads * head_dim:])
     assert (got != want).float().mean() < 1e-3  # the same rounding steps: equal but for rare ties
     _assert_close_in_bf16(got, want)
+
+
+@pytest.mark.skipif(not cpu_has(AVX2_FLAGS), reason="the CPU has no AVX2")
+def test_a_cpu_without_avx512_bf16_runs_the_element_wise_ops_on_the_avx2_kernels(monkeypatch):
+    from gpu_worker.engine import kernels, ops
+
+    monkeypatch.setattr(kernels, "cpu_has_avx512_bf16", lambda: False)
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    assert ops._native(x, 64) is avx2_kernels()
+    assert ops._native(x.float(), 64) is None  # float32 keeps the torch path
 
 
 def test_widened_decode_attention_is_the_float32_reference_rounded_to_bf16():

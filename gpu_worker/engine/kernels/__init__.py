@@ -94,6 +94,8 @@ def _cpu_kernels_build() -> tuple[str, list[str]]:
 
 
 CPU_KERNEL_SOURCES = ("cpu_kernels.cpp", "cpu_attention_kernels.cpp", "amx_prefill_attention.cpp")
+CPU_KERNEL_HEADERS = ("cpu_kernels.h", "amx_tiles.h", "elementwise.h", "vec.h", "sum16.h")
+AVX2_FLAGS = frozenset({"avx2", "fma"})
 
 
 def cpu_kernels_built() -> bool:
@@ -101,7 +103,7 @@ def cpu_kernels_built() -> bool:
     built = _build_dir() / f"{_cpu_kernels_build()[0]}.so"
     here = Path(__file__).parent
     return built.is_file() and all(built.stat().st_mtime >= (here / source).stat().st_mtime
-                                   for source in (*CPU_KERNEL_SOURCES, "cpu_kernels.h", "amx_tiles.h"))
+                                   for source in (*CPU_KERNEL_SOURCES, *CPU_KERNEL_HEADERS))
 
 
 @functools.cache
@@ -113,6 +115,21 @@ def cpu_kernels():
         return None
     name, flags = _cpu_kernels_build()
     return _build(name, list(CPU_KERNEL_SOURCES), flags)
+
+
+@functools.cache
+def avx2_kernels():
+    """`cpu_avx2_kernels.cpp`: the element-wise kernels of `cpu_kernels` on AVX2 + FMA vectors, or None."""
+    if not cpu_has(AVX2_FLAGS):
+        return None
+    return _build("tokenfleet_avx2_kernels", ["cpu_avx2_kernels.cpp"], ["-mavx2", "-mfma"])
+
+
+def elementwise_kernels():
+    """The bf16 element-wise kernels (RMSNorm with and without the residual add, SiLU·mul, rotary, argmax) for this
+    CPU: `cpu_kernels`' where it has AVX512-BF16, else the AVX2 build of the same source, or None (the torch path
+    serves)."""
+    return cpu_kernels() if cpu_has_avx512_bf16() else avx2_kernels()
 
 
 @functools.cache

@@ -7,9 +7,9 @@
 #include <cmath>
 #include <cstring>
 
-// Element-wise work below which a kernel runs on the calling thread: a decode step's one-row ops took several
-// times their arithmetic in starting and joining the parallel region.
-constexpr int64_t kMinParallelElements = 1 << 15;
+#include "elementwise.h"
+
+using elementwise::kMinParallelElements;
 
 static inline uint16_t to_bf16(float f) {
   uint32_t u;
@@ -18,21 +18,8 @@ static inline uint16_t to_bf16(float f) {
   return static_cast<uint16_t>(u >> 16);
 }
 
-// exp for 16 lanes: 2^n * p(r) with x = n ln2 + r, |r| <= ln2/2, p a degree-6 Taylor polynomial
-// (relative error < 2e-7, below the bf16 output's resolution). std::exp per score dominated the kernel.
-static inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
-  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693147181f), x);
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
+// exp for 16 lanes (relative error < 2e-7): std::exp per score dominated the attention kernels.
+static inline __m512 exp16(__m512 x) { return elementwise::exp<Avx512>(x); }
 
 // Softmax of s[0, L) in place, in fp32.
 static inline void softmax_inplace(float* s, int64_t L) {
