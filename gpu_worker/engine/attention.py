@@ -209,18 +209,19 @@ class TorchPagedAttention:
 
 
 class WidenedDecodeAttention(TorchPagedAttention):
-    """The torch path for bf16 on CPUs where the native kernels do not apply (plain AVX2: no bf16 products), its
-    decode attention in float32: torch's bf16 flash attention for one query row ran 2.5-3.8x slower than its
-    float32 one at 200-512 tokens of context on a Zen 3 (218 against 86 us at 200), more than the upcast costs.
-    Prefill chunks, where the two were within 10 %, stay in bf16."""
+    """The torch path for bf16 on CPUs where the native kernels do not apply (no compiler, or a head size they do
+    not take), its decode attention in float32: torch's bf16 flash attention for one query row ran 2.5-3.8x slower
+    than its float32 one at 200-512 tokens of context on a Zen 3 (218 against 86 us at 200), more than the upcast
+    costs. Prefill chunks, where the two were within 10 %, stay in bf16."""
 
     def _decode_group(self, q, kv_cache, group: DecodeGroup) -> torch.Tensor:
         return super()._decode_group(q.float(), kv_cache, group).to(q.dtype)
 
 
 class CpuPagedAttention(TorchPagedAttention):
-    """KV writes and decode attention by `kernels/cpu_attention_kernels.cpp`, straight from the paged cache (bf16 on
-    CPU); a decode-only step's rotary, write and attention in one native call."""
+    """KV writes and decode attention straight from the paged cache (bf16 on CPU) by the native kernels:
+    `kernels/cpu_attention_kernels.cpp` on AVX512-BF16, `kernels/cpu_avx2_kernels.cpp` (in float32) on AVX2; a
+    decode-only step's rotary, write and attention in one native call."""
 
     row_invariant_decode = True  # one task per (row, KV head), over exactly the row's context
 

@@ -27,7 +27,7 @@ from .attention import (
 )
 from .errors import ModelLoadError
 from .host_memory import zeros_streamed
-from .kernels import cpu_kernels, triton_available
+from .kernels import bf16_kernels, cpu_kernels, triton_available
 from .model import Transformer
 from .quantization.weights import FP8_MAX
 
@@ -50,11 +50,11 @@ class DenseKVFormat:
         return allocate_kv_cache(num_layers, num_blocks, block_size, num_kv_heads, head_dim, self.dtype, device)
 
     def install(self, model: Transformer, device: torch.device) -> None:
-        """The native CPU attention where it applies (bf16 on CPU; its prefill on AMX tiles where the CPU has them),
-        else on CPU in bf16 the torch path with its decode in float32; Triton's on CUDA; the torch reference
-        elsewhere."""
+        """The native CPU attention where it applies (bf16 on CPU, by the AVX-512 kernels or the AVX2 ones; its
+        prefill on AMX tiles where the CPU has them), else on CPU in bf16 the torch path with its decode in float32;
+        Triton's on CUDA; the torch reference elsewhere."""
         bf16_on_cpu = device.type == "cpu" and self.dtype == torch.bfloat16
-        kernels = cpu_kernels() if bf16_on_cpu else None
+        kernels = bf16_kernels() if bf16_on_cpu else None
         for layer in model.layers:
             heads = layer.self_attn.attn.heads
             if AmxPagedAttention.supports(kernels, self.dtype, device, model.config.head_dim):

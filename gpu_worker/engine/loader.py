@@ -105,7 +105,7 @@ def _install_kernels(model: Transformer, checkpoint: Checkpoint, dtype: torch.dt
 def kernel_summary(model: Transformer) -> str:
     """Which kernels serve the model, for the start-up log; on CPU also what they were chosen by (the CPU, its
     instruction sets, the threads and the CPUs this process may run on)."""
-    from .kernels import cpu_isa, cpu_kernels, cpu_model, elementwise_kernels
+    from .kernels import bf16_kernels, cpu_isa, cpu_model
 
     linears = Counter(type(m.kernel).__name__ for m in model.modules() if isinstance(m, Linear))
     attention = Counter(type(layer.self_attn.attn).__name__ for layer in model.layers)
@@ -113,10 +113,10 @@ def kernel_summary(model: Transformer) -> str:
                         for what, found in (("linear", linears), ("attention", attention)))
     if next(model.parameters()).device.type != "cpu":
         return summary
-    native, elementwise = cpu_kernels(), elementwise_kernels()
+    native = bf16_kernels()
     return (f"{cpu_model()}, ISA {' '.join(cpu_isa()) or 'baseline'}, {torch.get_num_threads()} threads on CPUs "
-            f"{sorted(os.sched_getaffinity(0))}, native bf16 kernels {native.__name__ if native else 'none'}, "
-            f"element-wise {elementwise.__name__ if elementwise else 'torch'}; " + summary)
+            f"{sorted(os.sched_getaffinity(0))}, native bf16 kernels {native.__name__ if native else 'none'}; "
+            + summary)
 
 
 def _require_batch_invariance(model: Transformer, checkpoint: Checkpoint) -> None:

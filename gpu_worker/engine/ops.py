@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .kernels import elementwise_kernels, triton_available
+from .kernels import bf16_kernels, triton_available
 from .rope import apply_rotary
 
 
@@ -20,7 +20,7 @@ def _native(x: torch.Tensor, vector_width: int = 0):
     """The native element-wise kernels where they apply: contiguous bf16 on CPU, `vector_width` a multiple of 32."""
     if x.dtype != torch.bfloat16 or x.device.type != "cpu" or vector_width % 32 or not x.is_contiguous():
         return None
-    return elementwise_kernels()
+    return bf16_kernels()
 
 
 def _triton(x: torch.Tensor):

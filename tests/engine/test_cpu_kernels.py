@@ -40,8 +40,9 @@ from gpu_worker.engine.linear import (
 from tests.kernel_inputs import decode_metadata, mixed_step
 
 needs_avx512_bf16 = pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="the native kernels need AVX512-BF16")
-# The element-wise kernels, one source built for each vector width this CPU has.
-ELEMENTWISE_BUILDS = [
+# The native bf16 modules this CPU can run: AVX-512's and AVX2's element-wise ops (one source, two vector widths) and
+# decode attention.
+NATIVE_BUILDS = [
     pytest.param(cpu_kernels, marks=needs_avx512_bf16, id="avx512"),
     pytest.param(avx2_kernels, marks=pytest.mark.skipif(not cpu_has(AVX2_FLAGS), reason="the CPU has no AVX2"),
                  id="avx2"),
@@ -139,10 +140,10 @@ def test_float32_layers_keep_the_reference_kernel():
     assert isinstance(layer.kernel, TorchLinearKernel)
 
 
-@needs_avx512_bf16
+@pytest.mark.parametrize("kernels", NATIVE_BUILDS)
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(12, 4, 64), (8, 8, 32), (16, 2, 128)])
 @pytest.mark.parametrize("block_size", [16, 32])  # AMX scores 32 keys a call: from two blocks, or from one
-def test_paged_decode_attention_matches_the_reference(heads, kv_heads, head_dim, block_size):
+def test_paged_decode_attention_matches_the_reference(kernels, heads, kv_heads, head_dim, block_size):
     torch.manual_seed(heads)
     num_blocks = 200
     kv_cache = torch.randn(2, num_blocks, kv_heads, block_size, head_dim, dtype=torch.bfloat16)
@@ -151,13 +152,14 @@ def test_paged_decode_attention_matches_the_reference(heads, kv_heads, head_dim,
     meta = decode_metadata(context_lens, num_blocks, block_size)
     layout = HeadLayout(heads, kv_heads, head_dim, head_dim**-0.5)
     want = TorchPagedAttention(layout).decode(q, kv_cache, meta)
-    got = CpuPagedAttention(layout, cpu_kernels()).decode(q, kv_cache, meta)
+    got = CpuPagedAttention(layout, kernels()).decode(q, kv_cache, meta)
     _assert_close_in_bf16(got, want)
 
 
-@needs_avx512_bf16
+@pytest.mark.parametrize("kernels", NATIVE_BUILDS)
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (16, 2, 128)])
-def test_a_decode_step_in_one_native_call_rotates_writes_and_attends_as_the_reference(heads, kv_heads, head_dim):
+def test_a_decode_step_in_one_native_call_rotates_writes_and_attends_as_the_reference(kernels, heads, kv_heads,
+                                                                                      head_dim):
     from gpu_worker.engine.rope import RotaryEmbedding
 
     torch.manual_seed(heads)
@@ -169,7 +171,7 @@ def test_a_decode_step_in_one_native_call_rotates_writes_and_attends_as_the_refe
     before = torch.randn(2, num_blocks, kv_heads, block_size, head_dim, dtype=torch.bfloat16)
     want_cache, got_cache = before.clone(), before.clone()
     want = TorchPagedAttention(layout)(qkv.clone(), cos, sin, want_cache, meta)
-    got = CpuPagedAttention(layout, cpu_kernels())(qkv.clone(), cos, sin, got_cache, meta)
+    got = CpuPagedAttention(layout, kernels())(qkv.clone(), cos, sin, got_cache, meta)
     assert got.shape == (len(context_lens), heads * head_dim)
     _assert_close_in_bf16(got, want)
     assert torch.equal(got_cache, want_cache) and not torch.equal(got_cache, before)
@@ -221,7 +223,7 @@ def test_native_kv_write_fills_the_same_slots_as_the_reference_from_a_fused_qkv_
     assert torch.equal(caches[0], caches[1]) and caches[0].count_nonzero() == 2 * k.numel()
 
 
-@pytest.mark.parametrize("kernels", ELEMENTWISE_BUILDS)
+@pytest.mark.parametrize("kernels", NATIVE_BUILDS)
 @pytest.mark.parametrize("rows", [1, 7, 300])
 def test_native_rms_norm_add_rms_norm_and_silu_and_mul_match_their_references(kernels, rows):
     from gpu_worker.engine import ops
@@ -237,7 +239,7 @@ def test_native_rms_norm_add_rms_norm_and_silu_and_mul_match_their_references(ke
         _assert_close_in_bf16(got, want)
 
 
-@pytest.mark.parametrize("kernels", ELEMENTWISE_BUILDS)
+@pytest.mark.parametrize("kernels", NATIVE_BUILDS)
 def test_native_silu_and_mul_holds_at_magnitudes_where_its_exp_leaves_float32s_range(kernels):
     from gpu_worker.engine import ops
 
@@ -247,7 +249,7 @@ def test_native_silu_and_mul_holds_at_magnitudes_where_its_exp_leaves_float32s_r
     assert torch.equal(got, want), (got, want)
 
 
-@pytest.mark.parametrize("kernels", ELEMENTWISE_BUILDS)
+@pytest.mark.parametrize("kernels", NATIVE_BUILDS)
 def test_native_argmax_takes_the_first_maximum_like_torch(kernels):
     torch.manual_seed(3)
     logits = torch.randn(13, 1001, dtype=torch.float32).to(torch.bfloat16)
@@ -266,7 +268,7 @@ def test_native_argmax_takes_the_first_maximum_like_torch(kernels):
     assert kernels().argmax_bf16(logits[:, :7].contiguous()).tolist() == logits[:, :7].argmax(dim=-1).tolist()
 
 
-@pytest.mark.parametrize("kernels", ELEMENTWISE_BUILDS)
+@pytest.mark.parametrize("kernels", NATIVE_BUILDS)
 def test_native_rotary_matches_the_reference_in_place(kernels):
     from gpu_worker.engine import ops
     from gpu_worker.engine.rope import RotaryEmbedding
@@ -284,14 +286,39 @@ def test_native_rotary_matches_the_reference_in_place(kernels):
     _assert_close_in_bf16(got, want)
 
 
-@pytest.mark.skipif(not cpu_has(AVX2_FLAGS), reason="the CPU has no AVX2")
-def test_a_cpu_without_avx512_bf16_runs_the_element_wise_ops_on_the_avx2_kernels(monkeypatch):
+needs_avx2 = pytest.mark.skipif(not cpu_has(AVX2_FLAGS), reason="the CPU has no AVX2")
+
+
+@needs_avx2
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (8, 4), (9, 3), (16, 4), (20, 4), (16, 2)])
+@pytest.mark.parametrize("block_size", [16, 128])
+def test_avx2_decode_attention_is_the_float32_reference_rounded_to_bf16(heads, kv_heads, block_size):
+    torch.manual_seed(heads)
+    num_blocks = 60
+    kv_cache = torch.randn(2, num_blocks, kv_heads, block_size, 64, dtype=torch.bfloat16)
+    context_lens = [1, 7, 8, 9, 130, 300]
+    q = torch.randn(len(context_lens), heads, 64, dtype=torch.bfloat16)
+    meta = decode_metadata(context_lens, num_blocks, block_size)
+    layout = HeadLayout(heads, kv_heads, 64, 0.125)
+    want = TorchPagedAttention(layout).decode(q.float(), kv_cache.float(), meta)
+    got = CpuPagedAttention(layout, avx2_kernels()).decode(q, kv_cache, meta)
+    # float32 sums in another order: the same bf16 but where the float32 result lies next to a rounding boundary
+    assert ((got.float() - want).abs() <= want.abs() * 2**-8 + 1e-6).all()
+    assert (got != want.bfloat16()).float().mean() < 0.01
+
+
+@needs_avx2
+def test_a_cpu_without_avx512_bf16_runs_its_element_wise_ops_and_decode_attention_on_the_avx2_kernels(monkeypatch):
     from gpu_worker.engine import kernels, ops
 
     monkeypatch.setattr(kernels, "cpu_has_avx512_bf16", lambda: False)
     x = torch.randn(3, 64, dtype=torch.bfloat16)
     assert ops._native(x, 64) is avx2_kernels()
     assert ops._native(x.float(), 64) is None  # float32 keeps the torch path
+    model = _one_layer_model(HeadLayout(12, 4, 64, 0.125))
+    DenseKVFormat(torch.bfloat16).install(model, torch.device("cpu"))
+    attention = model.layers[0].self_attn.attn
+    assert type(attention) is CpuPagedAttention and attention.kernels is avx2_kernels()
 
 
 def test_widened_decode_attention_is_the_float32_reference_rounded_to_bf16():

@@ -94,7 +94,7 @@ def _cpu_kernels_build() -> tuple[str, list[str]]:
 
 
 CPU_KERNEL_SOURCES = ("cpu_kernels.cpp", "cpu_attention_kernels.cpp", "amx_prefill_attention.cpp")
-CPU_KERNEL_HEADERS = ("cpu_kernels.h", "amx_tiles.h", "elementwise.h", "vec.h", "sum16.h")
+CPU_KERNEL_HEADERS = ("cpu_kernels.h", "amx_tiles.h", "elementwise.h", "vec.h", "sum16.h", "paged_kv.h")
 AVX2_FLAGS = frozenset({"avx2", "fma"})
 
 
@@ -119,16 +119,16 @@ def cpu_kernels():
 
 @functools.cache
 def avx2_kernels():
-    """`cpu_avx2_kernels.cpp`: the element-wise kernels of `cpu_kernels` on AVX2 + FMA vectors, or None."""
+    """`cpu_avx2_kernels.cpp` (on AVX2 + FMA vectors: the element-wise kernels of `cpu_kernels`, and a decode step's
+    rotary, KV write and attention in float32 from the paged cache), or None."""
     if not cpu_has(AVX2_FLAGS):
         return None
     return _build("tokenfleet_avx2_kernels", ["cpu_avx2_kernels.cpp"], ["-mavx2", "-mfma"])
 
 
-def elementwise_kernels():
-    """The bf16 element-wise kernels (RMSNorm with and without the residual add, SiLU·mul, rotary, argmax) for this
-    CPU: `cpu_kernels`' where it has AVX512-BF16, else the AVX2 build of the same source, or None (the torch path
-    serves)."""
+def bf16_kernels():
+    """The native bf16 kernels for this CPU: `cpu_kernels` where it has AVX512-BF16 (all of them), else the AVX2
+    module (the element-wise ops and decode attention), or None (the torch path serves)."""
     return cpu_kernels() if cpu_has_avx512_bf16() else avx2_kernels()
 
 

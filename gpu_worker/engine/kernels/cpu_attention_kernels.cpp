@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "cpu_kernels.h"
+#include "paged_kv.h"
 #include "sum16.h"
 #ifdef TOKENFLEET_AMX
 #include "amx_tiles.h"
@@ -349,24 +350,6 @@ torch::Tensor paged_decode(const torch::Tensor& q, const Rows& rows, int64_t KVH
   return out;
 }
 
-// Calls row(t, h, dst_row, src_k, src_v) for each token t and KV head h of k, v [T, KVH, D] (column slices of
-// the fused qkv output: only each token's [KVH, D] must be contiguous), dst_row its cache row.
-template <typename F>
-void for_each_slot(const torch::Tensor& k, const torch::Tensor& v, int64_t KVH_cache, int64_t block_size,
-                   const torch::Tensor& slot_blocks, const torch::Tensor& slot_offsets, F&& row) {
-  const int64_t T = k.size(0), KVH = k.size(1), D = k.size(2);
-  TORCH_CHECK(k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16, "k and v must be bf16");
-  TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == D && v.stride(2) == 1 && v.stride(1) == D, "rows [KVH, D] contiguous");
-  TORCH_CHECK(KVH_cache == KVH, "the cache holds ", KVH_cache, " KV heads, k has ", KVH);
-  const int64_t* bp = slot_blocks.data_ptr<int64_t>();
-  const int64_t* op = slot_offsets.data_ptr<int64_t>();
-  const auto* kp = static_cast<const uint16_t*>(k.data_ptr());
-  const auto* vp = static_cast<const uint16_t*>(v.data_ptr());
-  for (int64_t t = 0; t < T; t++)
-    for (int64_t h = 0; h < KVH; h++)
-      row((bp[t] * KVH + h) * block_size + op[t], kp + t * k.stride(0) + h * D, vp + t * v.stride(0) + h * D);
-}
-
 // One row x [D] bf16 as int8 with its bf16 scale, exactly as the reference quantize_per_row: scale =
 // bf16(max(max |x| / 127, 1e-8)), q = round-half-even(x / scale) within +-127.
 void quantize_row(const uint16_t* x, int64_t D, int8_t* q, uint16_t* scale) {
@@ -405,22 +388,7 @@ torch::Tensor paged_decode_attention_int8(const torch::Tensor& q, const torch::T
   return paged_decode(q, rows, kv_data.size(2), kv_data.size(3), block_tables, context_lens, scale);
 }
 
-// cache[slot_blocks[t], :, slot_offsets[t]] = rows[t] for k and v: what the reference's two index_put
-// calls do, in one call without the advanced-indexing overhead (it was ~5% of a batch-1 decode step).
-void write_kv_bf16(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_cache, torch::Tensor& v_cache,
-                   const torch::Tensor& slot_blocks, const torch::Tensor& slot_offsets) {
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "cache [blocks, KVH, bs, D] contiguous");
-  const int64_t D = k.size(2);
-  auto* kc = static_cast<uint16_t*>(k_cache.data_ptr());
-  auto* vc = static_cast<uint16_t*>(v_cache.data_ptr());
-  for_each_slot(k, v, k_cache.size(1), k_cache.size(2), slot_blocks, slot_offsets,
-                [&](int64_t dst, const uint16_t* ks, const uint16_t* vs) {
-                  std::memcpy(kc + dst * D, ks, D * 2);
-                  std::memcpy(vc + dst * D, vs, D * 2);
-                });
-}
-
-// The same slots of an int8 cache, each row quantized with its own scale as it is written.
+// paged_kv::write_rows into an int8 cache: each row quantized with its own scale as it is written.
 void write_kv_int8(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& kv_data, torch::Tensor& kv_scale,
                    const torch::Tensor& slot_blocks, const torch::Tensor& slot_offsets) {
   TORCH_CHECK(kv_data.is_contiguous() && kv_scale.is_contiguous() && kv_data.scalar_type() == at::kChar &&
@@ -429,7 +397,7 @@ void write_kv_int8(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor
   const int64_t D = k.size(2), values = kv_data[0].numel(), scales = kv_scale[0].numel();
   auto* data = kv_data.data_ptr<int8_t>();
   auto* scale = static_cast<uint16_t*>(kv_scale.data_ptr());
-  for_each_slot(k, v, kv_data.size(2), kv_data.size(3), slot_blocks, slot_offsets,
+  paged_kv::for_each_slot(k, v, kv_data.size(2), kv_data.size(3), slot_blocks, slot_offsets,
                 [&](int64_t dst, const uint16_t* ks, const uint16_t* vs) {
                   quantize_row(ks, D, data + dst * D, scale + dst);
                   quantize_row(vs, D, data + values + dst * D, scale + scales + dst);
@@ -472,43 +440,13 @@ torch::Tensor gather_int8_bf16(const torch::Tensor& kv_data, const torch::Tensor
   return out;
 }
 
-namespace {
-
-// q [B, H, D], k and v [B, KVH, D]: views of a fused projection's rows qkv [B, (H + 2 KVH) D], after rotating
-// q's and k's heads in place.
-struct RotatedQkv {
-  torch::Tensor q, k, v;
-};
-
-RotatedQkv rotate(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin, int64_t H, int64_t KVH) {
-  const int64_t B = qkv.size(0), D = qkv.size(1) / (H + 2 * KVH);
-  TORCH_CHECK(qkv.size(1) == (H + 2 * KVH) * D, "qkv holds ", H, " query and 2 x ", KVH, " key/value heads");
-  rotary_inplace_bf16(qkv, cos, sin, H + KVH, D);
-  return {qkv.narrow(1, 0, H * D).contiguous().view({B, H, D}), qkv.narrow(1, H * D, KVH * D).view({B, KVH, D}),
-          qkv.narrow(1, (H + KVH) * D, KVH * D).view({B, KVH, D})};
-}
-
-}  // namespace
-
-// A decode-only step's attention for one layer in one call: rotary, the KV write and decode attention, which as
-// four calls from Python (with the split of qkv and the cache's views) spent more time in the interpreter than
-// in the kernels at batch 1. Returns [B, H * D].
-torch::Tensor decode_step_bf16(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
-                               const torch::Tensor& kv_cache, const torch::Tensor& slot_blocks,
-                               const torch::Tensor& slot_offsets, const torch::Tensor& block_tables,
-                               const torch::Tensor& context_lens, int64_t H, int64_t KVH, double scale) {
-  auto [q, k, v] = rotate(qkv, cos, sin, H, KVH);
-  auto k_cache = kv_cache.select(0, 0), v_cache = kv_cache.select(0, 1);
-  write_kv_bf16(k, v, k_cache, v_cache, slot_blocks, slot_offsets);
-  return paged_decode_attention_bf16(q, k_cache, v_cache, block_tables, context_lens, scale).view({q.size(0), -1});
-}
-
+// decode_step_bf16's int8 twin (the bf16 one is paged_kv.h's, shared with the AVX2 module).
 torch::Tensor decode_step_int8(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
                                const torch::Tensor& kv_data, const torch::Tensor& kv_scale,
                                const torch::Tensor& slot_blocks, const torch::Tensor& slot_offsets,
                                const torch::Tensor& block_tables, const torch::Tensor& context_lens, int64_t H,
                                int64_t KVH, double scale) {
-  auto [q, k, v] = rotate(qkv, cos, sin, H, KVH);
+  auto [q, k, v] = paged_kv::rotate<Avx512>(qkv, cos, sin, H, KVH);
   auto data = kv_data, scales = kv_scale;
   write_kv_int8(k, v, data, scales, slot_blocks, slot_offsets);
   return paged_decode_attention_int8(q, kv_data, kv_scale, block_tables, context_lens, scale).view({q.size(0), -1});

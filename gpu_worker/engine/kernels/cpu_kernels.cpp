@@ -3,6 +3,7 @@
 #include <vector>
 
 #include "cpu_kernels.h"
+#include "paged_kv.h"
 #include "sum16.h"
 #ifdef TOKENFLEET_AMX
 #include "amx_tiles.h"
@@ -141,21 +142,16 @@ torch::Tensor rowwise_mm_bf16(const torch::Tensor& x, const torch::Tensor& w) {
   return y;
 }
 
-void rotary_inplace_bf16(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin, int64_t heads,
-                         int64_t head_dim) {
-  elementwise::rotary_inplace<Avx512>(qkv, cos, sin, heads, head_dim);
-}
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   elementwise::bind<Avx512>(m);
   m.def("gemv_bf16", &gemv_bf16);
   m.def("rowwise_mm_bf16", &rowwise_mm_bf16);
   m.def("paged_decode_attention_bf16", &paged_decode_attention_bf16);
-  m.def("write_kv_bf16", &write_kv_bf16);
+  m.def("write_kv_bf16", &paged_kv::write_rows);
   m.def("paged_decode_attention_int8", &paged_decode_attention_int8);
   m.def("write_kv_int8", &write_kv_int8);
   m.def("gather_int8_bf16", &gather_int8_bf16);
-  m.def("decode_step_bf16", &decode_step_bf16);
+  m.def("decode_step_bf16", &paged_kv::decode_step_bf16<Avx512, &paged_decode_attention_bf16>);
   m.def("decode_step_int8", &decode_step_int8);
 #ifdef TOKENFLEET_AMX
   m.def("amx_usable", &amx_permitted, "whether Linux lets this process use AMX tiles");

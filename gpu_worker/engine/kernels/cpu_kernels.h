@@ -74,18 +74,10 @@ torch::Tensor paged_decode_attention_bf16(const torch::Tensor& q, const torch::T
 torch::Tensor paged_decode_attention_int8(const torch::Tensor& q, const torch::Tensor& kv_data,
                                           const torch::Tensor& kv_scale, const torch::Tensor& block_tables,
                                           const torch::Tensor& context_lens, double scale);
-void write_kv_bf16(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_cache, torch::Tensor& v_cache,
-                   const torch::Tensor& slot_blocks, const torch::Tensor& slot_offsets);
 void write_kv_int8(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& kv_data, torch::Tensor& kv_scale,
                    const torch::Tensor& slot_blocks, const torch::Tensor& slot_offsets);
 torch::Tensor gather_int8_bf16(const torch::Tensor& kv_data, const torch::Tensor& kv_scale, int64_t which,
                                const torch::Tensor& block_tables, int64_t length);
-void rotary_inplace_bf16(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin, int64_t heads,
-                         int64_t head_dim);
-torch::Tensor decode_step_bf16(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
-                               const torch::Tensor& kv_cache, const torch::Tensor& slot_blocks,
-                               const torch::Tensor& slot_offsets, const torch::Tensor& block_tables,
-                               const torch::Tensor& context_lens, int64_t H, int64_t KVH, double scale);
 torch::Tensor decode_step_int8(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
                                const torch::Tensor& kv_data, const torch::Tensor& kv_scale,
                                const torch::Tensor& slot_blocks, const torch::Tensor& slot_offsets,

@@ -1,0 +1,79 @@
+// What the decode steps of both native CPU modules (cpu_attention_kernels.cpp on AVX-512, cpu_avx2_kernels.cpp on
+// AVX2) share around their attention: the rotation of a fused projection's q and k heads, and the KV write into the
+// paged cache [blocks, KVH, block_size, D].
+#pragma once
+#include <torch/extension.h>
+
+#include <cstring>
+
+#include "elementwise.h"
+
+namespace paged_kv {
+
+// Calls row(t, h, dst_row, src_k, src_v) for each token t and KV head h of k, v [T, KVH, D] (column slices of
+// the fused qkv output: only each token's [KVH, D] must be contiguous), dst_row its cache row.
+template <typename F>
+void for_each_slot(const torch::Tensor& k, const torch::Tensor& v, int64_t KVH_cache, int64_t block_size,
+                   const torch::Tensor& slot_blocks, const torch::Tensor& slot_offsets, F&& row) {
+  const int64_t T = k.size(0), KVH = k.size(1), D = k.size(2);
+  TORCH_CHECK(k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16, "k and v must be bf16");
+  TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == D && v.stride(2) == 1 && v.stride(1) == D, "rows [KVH, D] contiguous");
+  TORCH_CHECK(KVH_cache == KVH, "the cache holds ", KVH_cache, " KV heads, k has ", KVH);
+  const int64_t* bp = slot_blocks.data_ptr<int64_t>();
+  const int64_t* op = slot_offsets.data_ptr<int64_t>();
+  const auto* kp = static_cast<const uint16_t*>(k.data_ptr());
+  const auto* vp = static_cast<const uint16_t*>(v.data_ptr());
+  for (int64_t t = 0; t < T; t++)
+    for (int64_t h = 0; h < KVH; h++)
+      row((bp[t] * KVH + h) * block_size + op[t], kp + t * k.stride(0) + h * D, vp + t * v.stride(0) + h * D);
+}
+
+// cache[slot_blocks[t], :, slot_offsets[t]] = rows[t] for k and v of a bf16 cache: what the reference's two
+// index_put calls do, in one call without the advanced-indexing overhead (it was ~5% of a batch-1 decode step).
+inline void write_rows(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_cache, torch::Tensor& v_cache,
+                       const torch::Tensor& slot_blocks, const torch::Tensor& slot_offsets) {
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "cache [blocks, KVH, bs, D] contiguous");
+  const int64_t D = k.size(2);
+  auto* kc = static_cast<uint16_t*>(k_cache.data_ptr());
+  auto* vc = static_cast<uint16_t*>(v_cache.data_ptr());
+  for_each_slot(k, v, k_cache.size(1), k_cache.size(2), slot_blocks, slot_offsets,
+                [&](int64_t dst, const uint16_t* ks, const uint16_t* vs) {
+                  std::memcpy(kc + dst * D, ks, D * 2);
+                  std::memcpy(vc + dst * D, vs, D * 2);
+                });
+}
+
+// q [B, H, D], k and v [B, KVH, D]: views of a fused projection's rows qkv [B, (H + 2 KVH) D], after rotating
+// q's and k's heads in place.
+struct RotatedQkv {
+  torch::Tensor q, k, v;
+};
+
+template <class V>
+RotatedQkv rotate(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin, int64_t H, int64_t KVH) {
+  const int64_t B = qkv.size(0), D = qkv.size(1) / (H + 2 * KVH);
+  TORCH_CHECK(qkv.size(1) == (H + 2 * KVH) * D, "qkv holds ", H, " query and 2 x ", KVH, " key/value heads");
+  elementwise::rotary_inplace<V>(qkv, cos, sin, H + KVH, D);
+  return {qkv.narrow(1, 0, H * D).contiguous().view({B, H, D}), qkv.narrow(1, H * D, KVH * D).view({B, KVH, D}),
+          qkv.narrow(1, (H + KVH) * D, KVH * D).view({B, KVH, D})};
+}
+
+using DecodeAttention = torch::Tensor (*)(const torch::Tensor& q, const torch::Tensor& k_cache,
+                                          const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+                                          const torch::Tensor& context_lens, double scale);
+
+// A decode-only step's attention for one layer in one call: rotary (on V's vectors), the KV write and `attend`,
+// which as four calls from Python (with the split of qkv and the cache's views) spent more time in the interpreter
+// than in the kernels at batch 1. Returns [B, H * D].
+template <class V, DecodeAttention attend>
+torch::Tensor decode_step_bf16(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+                               const torch::Tensor& kv_cache, const torch::Tensor& slot_blocks,
+                               const torch::Tensor& slot_offsets, const torch::Tensor& block_tables,
+                               const torch::Tensor& context_lens, int64_t H, int64_t KVH, double scale) {
+  auto [q, k, v] = rotate<V>(qkv, cos, sin, H, KVH);
+  auto k_cache = kv_cache.select(0, 0), v_cache = kv_cache.select(0, 1);
+  write_rows(k, v, k_cache, v_cache, slot_blocks, slot_offsets);
+  return attend(q, k_cache, v_cache, block_tables, context_lens, scale).view({q.size(0), -1});
+}
+
+}  // namespace paged_kv
