@@ -2,8 +2,8 @@
 they apply.
 
 bf16 element-wise ops in torch on CPU run several times slower than their fp32 math needs; the kernels in
-`kernels/elementwise.h` (built for AVX-512, or AVX2 where the CPU has no AVX-512) do the same math with the same
-bf16 rounding, in one pass. On CUDA each torch op is a launch and a round trip through memory;
+`kernels/elementwise.h` (built for AVX-512, or AVX2 where the CPU has no AVX512-BF16) do the same math with the
+same bf16 rounding, in one pass. On CUDA each torch op is a launch and a round trip through memory;
 `kernels/triton_ops.py` makes each op one.
 """
 
