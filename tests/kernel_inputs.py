@@ -1,11 +1,21 @@
-"""What the kernel tests share: seeded weights, decode rows over shuffled block tables, and the product the
-int8-activation kernels are held to."""
+"""What the kernel tests share: the native bf16 modules this CPU can run, seeded weights, decode rows over shuffled
+block tables, and the product the int8-activation kernels are held to."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from gpu_worker.engine.attention import AttentionMetadata, PrefillChunk
+from gpu_worker.engine.kernels import AVX2_FLAGS, avx2_kernels, cpu_has, cpu_has_avx512_bf16, cpu_kernels
+
+# The native bf16 modules this CPU can run, for a test to take each: AVX-512's (it needs AVX512-BF16) and AVX2's
+# (the element-wise ops from one source at two vector widths, decode attention on bf16 and int8 caches).
+NATIVE_BUILDS = [
+    pytest.param(cpu_kernels, id="avx512",
+                 marks=pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="the native kernels need AVX512-BF16")),
+    pytest.param(avx2_kernels, id="avx2", marks=pytest.mark.skipif(not cpu_has(AVX2_FLAGS), reason="no AVX2")),
+]
 
 
 def decode_metadata(context_lens: list[int], num_blocks: int, block_size: int) -> AttentionMetadata:

@@ -27,7 +27,7 @@ from .attention import (
 )
 from .errors import ModelLoadError
 from .host_memory import zeros_streamed
-from .kernels import bf16_kernels, cpu_kernels, triton_available
+from .kernels import bf16_kernels, triton_available
 from .model import Transformer
 from .quantization.weights import FP8_MAX
 
@@ -109,7 +109,7 @@ class ScaledPagedAttention(TorchPagedAttention):
 
 
 class CpuInt8PagedAttention(ScaledPagedAttention):
-    """KV writes and decode attention by `kernels/cpu_attention_kernels.cpp` on the int8 cache itself (bf16 on
+    """KV writes and decode attention by the native kernels (AVX-512's or AVX2's) on the int8 cache itself (bf16 on
     CPU): keys and values dequantized in registers, where the reference gathers a dequantized copy of every
     context; a decode-only step's rotary, write and attention in one native call. Prefill over a cached context
     attends over such a copy, gathered and dequantized in one pass."""
@@ -171,7 +171,7 @@ class ScaledKVFormat:
 
     def install(self, model: Transformer, device: torch.device) -> None:
         """The native CPU attention where it applies (int8, bf16 on CPU), Triton's on CUDA, the reference else."""
-        kernels = cpu_kernels() if device.type == "cpu" and self.dtype == torch.bfloat16 else None
+        kernels = bf16_kernels() if device.type == "cpu" and self.dtype == torch.bfloat16 else None
         head_dim = model.config.head_dim
         for layer in model.layers:
             heads = layer.self_attn.attn.heads

@@ -28,7 +28,7 @@ from gpu_worker.engine.kernels import (
     cpu_model,
     quant_cpu_kernels,
 )
-from gpu_worker.engine.kv_cache_format import DenseKVFormat
+from gpu_worker.engine.kv_cache_format import CpuInt8PagedAttention, DenseKVFormat, ScaledKVFormat
 from gpu_worker.engine.linear import (
     Linear,
     OneDnnPackedLinearKernel,
@@ -37,16 +37,9 @@ from gpu_worker.engine.linear import (
     WidenedBf16LinearKernel,
     onednn_packs_bf16,
 )
-from tests.kernel_inputs import decode_metadata, mixed_step
+from tests.kernel_inputs import NATIVE_BUILDS, decode_metadata, mixed_step
 
 needs_avx512_bf16 = pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="the native kernels need AVX512-BF16")
-# The native bf16 modules this CPU can run: AVX-512's and AVX2's element-wise ops (one source, two vector widths) and
-# decode attention.
-NATIVE_BUILDS = [
-    pytest.param(cpu_kernels, marks=needs_avx512_bf16, id="avx512"),
-    pytest.param(avx2_kernels, marks=pytest.mark.skipif(not cpu_has(AVX2_FLAGS), reason="the CPU has no AVX2"),
-                 id="avx2"),
-]
 
 
 def _assert_close_in_bf16(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -308,7 +301,8 @@ def test_avx2_decode_attention_is_the_float32_reference_rounded_to_bf16(heads, k
 
 
 @needs_avx2
-def test_a_cpu_without_avx512_bf16_runs_its_element_wise_ops_and_decode_attention_on_the_avx2_kernels(monkeypatch):
+def test_a_cpu_without_avx512_bf16_runs_its_element_wise_ops_and_decode_attention_on_the_avx2_kernels(
+        monkeypatch):
     from gpu_worker.engine import kernels, ops
 
     monkeypatch.setattr(kernels, "cpu_has_avx512_bf16", lambda: False)
@@ -319,6 +313,10 @@ def test_a_cpu_without_avx512_bf16_runs_its_element_wise_ops_and_decode_attentio
     DenseKVFormat(torch.bfloat16).install(model, torch.device("cpu"))
     attention = model.layers[0].self_attn.attn
     assert type(attention) is CpuPagedAttention and attention.kernels is avx2_kernels()
+    int8_model = _one_layer_model(HeadLayout(12, 4, 64, 0.125))
+    ScaledKVFormat("int8", torch.bfloat16).install(int8_model, torch.device("cpu"))
+    attention = int8_model.layers[0].self_attn.attn
+    assert type(attention) is CpuInt8PagedAttention and attention.kernels is avx2_kernels()
 
 
 def test_widened_decode_attention_is_the_float32_reference_rounded_to_bf16():

@@ -9,7 +9,7 @@ import torch
 from gpu_worker.engine import LLM, SamplingParams
 from gpu_worker.engine.attention import AttentionMetadata, HeadLayout
 from gpu_worker.engine.errors import ModelLoadError
-from gpu_worker.engine.kernels import cpu_has_avx512_bf16, cpu_kernels
+from gpu_worker.engine.kernels import cpu_has_avx512_bf16
 from gpu_worker.engine.kv_cache_format import (
     CpuInt8PagedAttention,
     ScaledKVCache,
@@ -18,7 +18,7 @@ from gpu_worker.engine.kv_cache_format import (
     quantize_per_row,
     quantize_per_row_fp8,
 )
-from tests.kernel_inputs import decode_metadata
+from tests.kernel_inputs import NATIVE_BUILDS, decode_metadata
 
 needs_avx512_bf16 = pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="the native kernels need AVX512-BF16")
 
@@ -94,8 +94,8 @@ def _int8_cache(num_blocks: int, kv_heads: int, block_size: int, head_dim: int) 
     return fmt.allocate(1, num_blocks, block_size, kv_heads, head_dim, torch.device("cpu"))[0]
 
 
-@needs_avx512_bf16
-def test_native_int8_write_stores_the_references_values_and_scales_from_a_fused_qkv_slice():
+@pytest.mark.parametrize("kernels", NATIVE_BUILDS)
+def test_native_int8_write_stores_the_references_values_and_scales_from_a_fused_qkv_slice(kernels):
     torch.manual_seed(5)
     kv_heads, head_dim, block_size, num_blocks, tokens = 4, 64, 16, 20, 37
     magnitudes = torch.logspace(-3, 2, tokens)[:, None]  # the rows' scales from tiny to large
@@ -107,14 +107,14 @@ def test_native_int8_write_stores_the_references_values_and_scales_from_a_fused_
     caches = [_int8_cache(num_blocks, kv_heads, block_size, head_dim) for _ in range(2)]
     layout = HeadLayout(12, kv_heads, head_dim, 1.0)
     ScaledPagedAttention(layout).write_kv(k, v, caches[0], meta)
-    CpuInt8PagedAttention(layout, cpu_kernels()).write_kv(k, v, caches[1], meta)
+    CpuInt8PagedAttention(layout, kernels()).write_kv(k, v, caches[1], meta)
     assert torch.equal(caches[0].data, caches[1].data) and torch.equal(caches[0].scale, caches[1].scale)
     assert caches[1].scale.count_nonzero() == 2 * tokens * kv_heads
 
 
-@needs_avx512_bf16
+@pytest.mark.parametrize("kernels", NATIVE_BUILDS)
 @pytest.mark.parametrize("length", [1, 16, 45, 160])
-def test_native_int8_gather_dequantizes_exactly_as_the_reference(length):
+def test_native_int8_gather_dequantizes_exactly_as_the_reference(kernels, length):
     torch.manual_seed(length)
     kv_heads, head_dim, block_size, num_blocks = 3, 64, 16, 40
     cache = _int8_cache(num_blocks, kv_heads, block_size, head_dim)
@@ -123,15 +123,15 @@ def test_native_int8_gather_dequantizes_exactly_as_the_reference(length):
     tables = torch.stack([torch.randperm(num_blocks)[:10] for _ in range(3)])  # three sequences' blocks
     layout = HeadLayout(kv_heads, kv_heads, head_dim, 1.0)
     want = ScaledPagedAttention(layout).gather(cache, tables, length)
-    got = CpuInt8PagedAttention(layout, cpu_kernels()).gather(cache, tables, length)
+    got = CpuInt8PagedAttention(layout, kernels()).gather(cache, tables, length)
     for w, g in zip(want, got, strict=True):
         assert g.shape == (3, kv_heads, length, head_dim) and g.dtype == torch.bfloat16
         assert torch.equal(w, g)
 
 
-@needs_avx512_bf16
+@pytest.mark.parametrize("kernels", NATIVE_BUILDS)
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(12, 4, 64), (8, 8, 32), (16, 2, 128)])
-def test_native_int8_decode_attention_matches_the_dequantizing_reference(heads, kv_heads, head_dim):
+def test_native_int8_decode_attention_matches_the_dequantizing_reference(kernels, heads, kv_heads, head_dim):
     torch.manual_seed(heads)
     block_size, num_blocks = 16, 200
     cache = _int8_cache(num_blocks, kv_heads, block_size, head_dim)
@@ -142,13 +142,13 @@ def test_native_int8_decode_attention_matches_the_dequantizing_reference(heads, 
     meta = decode_metadata(context_lens, num_blocks, block_size)
     layout = HeadLayout(heads, kv_heads, head_dim, head_dim**-0.5)
     want = ScaledPagedAttention(layout).decode(q.float(), ScaledKVCache(cache.data, cache.scale.float()), meta)
-    got = CpuInt8PagedAttention(layout, cpu_kernels()).decode(q, cache, meta)
+    got = CpuInt8PagedAttention(layout, kernels()).decode(q, cache, meta)
     assert got.dtype == torch.bfloat16
     assert ((got.float() - want).abs() <= 1e-2 * want.abs() + 1e-2 * want.abs().max()).all()
 
 
-@needs_avx512_bf16
-def test_an_int8_decode_step_in_one_native_call_writes_and_attends_as_the_reference():
+@pytest.mark.parametrize("kernels", NATIVE_BUILDS)
+def test_an_int8_decode_step_in_one_native_call_writes_and_attends_as_the_reference(kernels):
     from gpu_worker.engine.rope import RotaryEmbedding
 
     torch.manual_seed(9)
@@ -163,7 +163,7 @@ def test_an_int8_decode_step_in_one_native_call_writes_and_attends_as_the_refere
                                        dtype=torch.int8))
         cache.scale.fill_(0.02)
     want = ScaledPagedAttention(layout)(qkv.clone(), cos, sin, caches[0], meta)
-    got = CpuInt8PagedAttention(layout, cpu_kernels())(qkv.clone(), cos, sin, caches[1], meta)
+    got = CpuInt8PagedAttention(layout, kernels())(qkv.clone(), cos, sin, caches[1], meta)
     assert got.shape == (len(context_lens), heads * head_dim) and got.dtype == torch.bfloat16
     assert ((got.float() - want.float()).abs() <= 1e-2 * want.float().abs() + 1e-2 * want.float().abs().max()).all()
     assert torch.equal(caches[0].data, caches[1].data) and torch.equal(caches[0].scale, caches[1].scale)

@@ -382,6 +382,13 @@ void quantize_row(const uint16_t* x, int64_t D, int8_t* q, uint16_t* scale) {
   *scale = s;
 }
 
+// One int8 row times its scale as bf16, for paged_kv::gather_int8_rows.
+void dequantize_row(const int8_t* q, uint16_t scale, int64_t D, uint16_t* out) {
+  const __m512 s = _mm512_set1_ps(bf16_to_float(scale));
+  for (int64_t d = 0; d < D; d += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + d), to_bf16x16(_mm512_mul_ps(Int8Rows::int8x16(q + d), s)));
+}
+
 }  // namespace
 
 torch::Tensor paged_decode_attention_bf16(const torch::Tensor& q, const torch::Tensor& k_cache,
@@ -397,74 +404,19 @@ torch::Tensor paged_decode_attention_bf16(const torch::Tensor& q, const torch::T
 torch::Tensor paged_decode_attention_int8(const torch::Tensor& q, const torch::Tensor& kv_data,
                                           const torch::Tensor& kv_scale, const torch::Tensor& block_tables,
                                           const torch::Tensor& context_lens, double scale) {
-  TORCH_CHECK(kv_data.is_contiguous() && kv_scale.is_contiguous() && kv_data.scalar_type() == at::kChar &&
-                  kv_scale.scalar_type() == at::kBFloat16, "an int8 cache with bf16 scales, contiguous");
+  paged_kv::check_int8_cache(kv_data, kv_scale);
   const auto* data = kv_data.data_ptr<int8_t>();
   const auto* scales = static_cast<const uint16_t*>(kv_scale.data_ptr());
   const Int8Rows rows{data, data + kv_data[0].numel(), scales, scales + kv_scale[0].numel(), q.size(2)};
   return paged_decode(q, rows, kv_data.size(2), kv_data.size(3), block_tables, context_lens, scale);
 }
 
-// paged_kv::write_rows into an int8 cache: each row quantized with its own scale as it is written.
 void write_kv_int8(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& kv_data, torch::Tensor& kv_scale,
                    const torch::Tensor& slot_blocks, const torch::Tensor& slot_offsets) {
-  TORCH_CHECK(kv_data.is_contiguous() && kv_scale.is_contiguous() && kv_data.scalar_type() == at::kChar &&
-                  kv_scale.scalar_type() == at::kBFloat16 && k.size(2) % 16 == 0,
-              "an int8 cache with bf16 scales, contiguous, head_dim % 16 == 0");
-  const int64_t D = k.size(2), values = kv_data[0].numel(), scales = kv_scale[0].numel();
-  auto* data = kv_data.data_ptr<int8_t>();
-  auto* scale = static_cast<uint16_t*>(kv_scale.data_ptr());
-  paged_kv::for_each_slot(k, v, kv_data.size(2), kv_data.size(3), slot_blocks, slot_offsets,
-                [&](int64_t dst, const uint16_t* ks, const uint16_t* vs) {
-                  quantize_row(ks, D, data + dst * D, scale + dst);
-                  quantize_row(vs, D, data + values + dst * D, scale + scales + dst);
-                });
+  paged_kv::write_int8_rows<&quantize_row>(k, v, kv_data, kv_scale, slot_blocks, slot_offsets);
 }
 
-// The int8 cache's keys (which = 0) or values (1) of `length` tokens through each row's block table, dequantized to
-// bf16 in one pass: [B, KVH, length, D], what the reference's gather computes (q as bf16 times the row's bf16
-// scale, rounded). Prefill over a cached context attends over this copy; the reference's gather, dequantize and
-// multiply took four passes in torch's bf16 ops.
 torch::Tensor gather_int8_bf16(const torch::Tensor& kv_data, const torch::Tensor& kv_scale, int64_t which,
                                const torch::Tensor& block_tables, int64_t length) {
-  TORCH_CHECK(kv_data.is_contiguous() && kv_scale.is_contiguous() && kv_data.scalar_type() == at::kChar &&
-                  kv_scale.scalar_type() == at::kBFloat16 && kv_data.size(4) % 16 == 0 && (which == 0 || which == 1),
-              "an int8 cache with bf16 scales, contiguous, head_dim % 16 == 0");
-  const int64_t KVH = kv_data.size(2), bs = kv_data.size(3), D = kv_data.size(4);
-  auto tables = block_tables.to(torch::kInt64).contiguous();
-  const int64_t B = tables.size(0), max_blocks = tables.size(1);
-  TORCH_CHECK(length <= max_blocks * bs, "length ", length, " is past the block tables' ", max_blocks * bs, " tokens");
-  auto out = torch::empty({B, KVH, length, D}, kv_scale.options());
-  const int8_t* data = kv_data.data_ptr<int8_t>() + which * kv_data[0].numel();
-  const auto* scales = static_cast<const uint16_t*>(kv_scale.data_ptr()) + which * kv_scale[0].numel();
-  const int64_t* tp = tables.data_ptr<int64_t>();
-  auto* op = static_cast<uint16_t*>(out.data_ptr());
-  const int64_t blocks = (length + bs - 1) / bs;
-#pragma omp parallel for schedule(static) collapse(2) if (B * KVH * length * D >= kMinParallelElements)
-  for (int64_t b = 0; b < B * KVH; b++) {
-    for (int64_t blk = 0; blk < blocks; blk++) {
-      const int64_t row0 = (tp[(b / KVH) * max_blocks + blk] * KVH + b % KVH) * bs;
-      for (int64_t t = blk * bs; t < std::min(length, (blk + 1) * bs); t++) {
-        const int64_t r = row0 + t - blk * bs;
-        const __m512 s = _mm512_set1_ps(bf16_to_float(scales[r]));
-        for (int64_t d = 0; d < D; d += 16) {
-          const __m512 q = Int8Rows::int8x16(data + r * D + d);
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(op + (b * length + t) * D + d), to_bf16x16(_mm512_mul_ps(q, s)));
-        }
-      }
-    }
-  }
-  return out;
-}
-
-// decode_step_bf16's int8 twin (the bf16 one is paged_kv.h's, shared with the AVX2 module).
-torch::Tensor decode_step_int8(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
-                               const torch::Tensor& kv_data, const torch::Tensor& kv_scale,
-                               const torch::Tensor& slot_blocks, const torch::Tensor& slot_offsets,
-                               const torch::Tensor& block_tables, const torch::Tensor& context_lens, int64_t H,
-                               int64_t KVH, double scale) {
-  auto [q, k, v] = paged_kv::rotate<Avx512>(qkv, cos, sin, H, KVH);
-  auto data = kv_data, scales = kv_scale;
-  write_kv_int8(k, v, data, scales, slot_blocks, slot_offsets);
-  return paged_decode_attention_int8(q, kv_data, kv_scale, block_tables, context_lens, scale).view({q.size(0), -1});
+  return paged_kv::gather_int8_rows<&dequantize_row>(kv_data, kv_scale, which, block_tables, length);
 }

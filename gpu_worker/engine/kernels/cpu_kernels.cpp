@@ -152,7 +152,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv_int8", &write_kv_int8);
   m.def("gather_int8_bf16", &gather_int8_bf16);
   m.def("decode_step_bf16", &paged_kv::decode_step_bf16<Avx512, &paged_decode_attention_bf16>);
-  m.def("decode_step_int8", &decode_step_int8);
+  m.def("decode_step_int8", &paged_kv::decode_step_int8<Avx512, &write_kv_int8, &paged_decode_attention_int8>);
 #ifdef TOKENFLEET_AMX
   m.def("amx_usable", &amx_permitted, "whether Linux lets this process use AMX tiles");
   m.def("prefill_attention_bf16", &prefill_attention_bf16);

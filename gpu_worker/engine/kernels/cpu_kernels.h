@@ -11,12 +11,7 @@
 
 using elementwise::kMinParallelElements;
 
-static inline uint16_t to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  u += 0x7FFF + ((u >> 16) & 1);  // round to nearest even
-  return static_cast<uint16_t>(u >> 16);
-}
+using elementwise::to_bf16;
 
 // exp for 16 lanes (relative error < 2e-7): std::exp per score dominated the attention kernels.
 static inline __m512 exp16(__m512 x) { return elementwise::exp<Avx512>(x); }
@@ -46,12 +41,7 @@ static inline void softmax_inplace(float* s, int64_t L) {
   for (; t < L; t++) s[t] *= 1.0f / sum;
 }
 
-static inline float bf16_to_float(uint16_t h) {
-  const uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
+static inline float bf16_to_float(uint16_t h) { return elementwise::bf16_value(h); }
 
 static inline __m512 load_bf16x16_from(__m256i raw) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
@@ -78,11 +68,6 @@ void write_kv_int8(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor
                    const torch::Tensor& slot_blocks, const torch::Tensor& slot_offsets);
 torch::Tensor gather_int8_bf16(const torch::Tensor& kv_data, const torch::Tensor& kv_scale, int64_t which,
                                const torch::Tensor& block_tables, int64_t length);
-torch::Tensor decode_step_int8(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
-                               const torch::Tensor& kv_data, const torch::Tensor& kv_scale,
-                               const torch::Tensor& slot_blocks, const torch::Tensor& slot_offsets,
-                               const torch::Tensor& block_tables, const torch::Tensor& context_lens, int64_t H,
-                               int64_t KVH, double scale);
 #ifdef TOKENFLEET_AMX
 void prefill_attention_bf16(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                             const torch::Tensor& query_starts, const torch::Tensor& query_lens,

@@ -101,6 +101,13 @@ std::vector<torch::Tensor> add_rms_norm(const torch::Tensor& x, const torch::Ten
   return {out, sum};
 }
 
+inline uint16_t to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  u += 0x7FFF + ((u >> 16) & 1);  // round to nearest even
+  return static_cast<uint16_t>(u >> 16);
+}
+
 inline float bf16_value(uint16_t h) {
   const uint32_t bits = static_cast<uint32_t>(h) << 16;
   float f;

@@ -76,4 +76,76 @@ torch::Tensor decode_step_bf16(torch::Tensor& qkv, const torch::Tensor& cos, con
   return attend(q, k_cache, v_cache, block_tables, context_lens, scale).view({q.size(0), -1});
 }
 
+// An int8 cache's planes: kv_data int8 [2, blocks, KVH, block_size, D] (keys, values), kv_scale bf16 [2, blocks, KVH,
+// block_size], a scale per row.
+inline void check_int8_cache(const torch::Tensor& kv_data, const torch::Tensor& kv_scale) {
+  TORCH_CHECK(kv_data.is_contiguous() && kv_scale.is_contiguous() && kv_data.scalar_type() == at::kChar &&
+                  kv_scale.scalar_type() == at::kBFloat16 && kv_data.size(4) % 16 == 0,
+              "an int8 cache with bf16 scales, contiguous, head_dim % 16 == 0");
+}
+
+// One row x [D] bf16 as int8 with its bf16 scale (see each module's quantize_row).
+using QuantizeRow = void (*)(const uint16_t* x, int64_t D, int8_t* q, uint16_t* scale);
+// One int8 row with its bf16 scale as bf16 [D], each value q * scale rounded.
+using DequantizeRow = void (*)(const int8_t* q, uint16_t scale, int64_t D, uint16_t* out);
+
+// write_rows into an int8 cache: each row quantized with its own scale as it is written.
+template <QuantizeRow quantize>
+void write_int8_rows(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& kv_data, torch::Tensor& kv_scale,
+                     const torch::Tensor& slot_blocks, const torch::Tensor& slot_offsets) {
+  check_int8_cache(kv_data, kv_scale);
+  const int64_t D = k.size(2), values = kv_data[0].numel(), scales = kv_scale[0].numel();
+  auto* data = kv_data.data_ptr<int8_t>();
+  auto* scale = static_cast<uint16_t*>(kv_scale.data_ptr());
+  for_each_slot(k, v, kv_data.size(2), kv_data.size(3), slot_blocks, slot_offsets,
+                [&](int64_t dst, const uint16_t* ks, const uint16_t* vs) {
+                  quantize(ks, D, data + dst * D, scale + dst);
+                  quantize(vs, D, data + values + dst * D, scale + scales + dst);
+                });
+}
+
+// The int8 cache's keys (which = 0) or values (1) of `length` tokens through each row's block table, dequantized to
+// bf16 in one pass: [B, KVH, length, D], what the reference's gather computes (q as bf16 times the row's bf16
+// scale, rounded). Prefill over a cached context attends over this copy; the reference's gather, dequantize and
+// multiply took four passes in torch's bf16 ops.
+template <DequantizeRow dequantize>
+torch::Tensor gather_int8_rows(const torch::Tensor& kv_data, const torch::Tensor& kv_scale, int64_t which,
+                               const torch::Tensor& block_tables, int64_t length) {
+  check_int8_cache(kv_data, kv_scale);
+  TORCH_CHECK(which == 0 || which == 1, "which: 0 (keys) or 1 (values)");
+  const int64_t KVH = kv_data.size(2), bs = kv_data.size(3), D = kv_data.size(4);
+  auto tables = block_tables.to(torch::kInt64).contiguous();
+  const int64_t B = tables.size(0), max_blocks = tables.size(1);
+  TORCH_CHECK(length <= max_blocks * bs, "length ", length, " is past the block tables' ", max_blocks * bs, " tokens");
+  auto out = torch::empty({B, KVH, length, D}, kv_scale.options());
+  const int8_t* data = kv_data.data_ptr<int8_t>() + which * kv_data[0].numel();
+  const auto* scales = static_cast<const uint16_t*>(kv_scale.data_ptr()) + which * kv_scale[0].numel();
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  auto* op = static_cast<uint16_t*>(out.data_ptr());
+#pragma omp parallel for schedule(static) if (B * KVH * length * D >= elementwise::kMinParallelElements)
+  for (int64_t b = 0; b < B * KVH; b++)
+    for (int64_t t = 0; t < length; t++) {
+      const int64_t r = (tp[(b / KVH) * max_blocks + t / bs] * KVH + b % KVH) * bs + t % bs;
+      dequantize(data + r * D, scales[r], D, op + (b * length + t) * D);
+    }
+  return out;
+}
+
+using Int8Write = void (*)(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& kv_data,
+                          torch::Tensor& kv_scale, const torch::Tensor& slot_blocks, const torch::Tensor& slot_offsets);
+
+// The same over an int8 cache (kv_data int8 [2, blocks, KVH, block_size, D], kv_scale [2, blocks, KVH, block_size]):
+// `write` quantizes each row as it writes it, `attend` reads the cache at one byte a value.
+template <class V, Int8Write write, DecodeAttention attend>
+torch::Tensor decode_step_int8(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+                               const torch::Tensor& kv_data, const torch::Tensor& kv_scale,
+                               const torch::Tensor& slot_blocks, const torch::Tensor& slot_offsets,
+                               const torch::Tensor& block_tables, const torch::Tensor& context_lens, int64_t H,
+                               int64_t KVH, double scale) {
+  auto [q, k, v] = rotate<V>(qkv, cos, sin, H, KVH);
+  auto data = kv_data, scales = kv_scale;
+  write(k, v, data, scales, slot_blocks, slot_offsets);
+  return attend(q, kv_data, kv_scale, block_tables, context_lens, scale).view({q.size(0), -1});
+}
+
 }  // namespace paged_kv
