@@ -244,25 +244,15 @@ bool tiles_serve(int64_t G, int64_t D, int64_t block_size) {
 }
 #endif
 
-// Decode attention straight from the paged cache: one query token per sequence, H query heads sharing
-// KVH key/value heads. For each (sequence, KV head) it reads that head's keys and values block by block
-// through the block table, once for all query heads of its group, with an exact (two-pass) softmax in
-// fp32. The torch path first gathers every context into a padded copy, then attends over the copy.
-// q: [B, H, D] bf16; block_tables: [B, max_blocks]; context_lens: [B]; rows over [blocks, KVH, block_size].
+// Decode attention straight from the paged cache (paged_kv::DecodeBatch says its tasks): each (sequence, KV head)
+// reads that head's keys and values block by block through the block table, once for all query heads of its group,
+// with an exact (two-pass) softmax in fp32. The torch path first gathers every context into a padded copy, then
+// attends over the copy. Rows over [blocks, KVH, block_size].
 template <typename Rows>
 torch::Tensor paged_decode(const torch::Tensor& q, const Rows& rows, int64_t KVH, int64_t block_size,
                            const torch::Tensor& block_tables, const torch::Tensor& context_lens, double scale) {
-  TORCH_CHECK(q.is_contiguous() && q.scalar_type() == at::kBFloat16, "q must be contiguous bf16");
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), G = H / KVH;
-  TORCH_CHECK(D % 32 == 0 && H % KVH == 0, "head_dim % 32 == 0 and whole query groups");
-  auto tables = block_tables.to(torch::kInt64).contiguous();
-  auto lens = context_lens.to(torch::kInt64).contiguous();
-  auto out = torch::empty_like(q);
-  const auto* qp = static_cast<const uint16_t*>(q.data_ptr());
-  auto* op = static_cast<uint16_t*>(out.data_ptr());
-  const int64_t* tp = tables.data_ptr<int64_t>();
-  const int64_t* lp = lens.data_ptr<int64_t>();
-  const int64_t max_blocks = tables.size(1), row_bytes = D * Rows::kBytes;
+  const paged_kv::DecodeBatch batch(q, KVH, block_size, block_tables, context_lens);
+  const int64_t G = batch.G, D = batch.D, row_bytes = D * Rows::kBytes;
 #ifdef TOKENFLEET_AMX
   const bool tiles = std::is_same_v<Rows, Bf16Rows> && tiles_serve(G, D, block_size);
 #endif
@@ -276,20 +266,14 @@ torch::Tensor paged_decode(const torch::Tensor& q, const Rows& rows, int64_t KVH
     if (tiles) configure_tiles();
 #endif
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < B * KVH; task++) {
-      const int64_t b = task / KVH, kvh = task % KVH, L = lp[b];
+    for (int64_t task = 0; task < batch.tasks(); task++) {
+      const int64_t L = batch.context(task);
       scores.resize(G * L);
       acc.resize(G * D);
-      const uint16_t* qb = qp + (b * H + kvh * G) * D;
+      const uint16_t* qb = batch.queries(q, task);
       if constexpr (std::is_same_v<Rows, Int8Rows>)  // fp32 products with the dequantized keys
         for (int64_t i = 0; i < G * D; i++) qf[i] = bf16_to_float(qb[i]);
-      // Token t's row for this KV head (a block holds each head's block_size rows contiguously), listed once:
-      // a division per token and use took a third of the kernel's time.
-      token_rows.resize(L);
-      for (int64_t t0 = 0; t0 < L; t0 += block_size) {
-        const int64_t first = (tp[b * max_blocks + t0 / block_size] * KVH + kvh) * block_size;
-        for (int64_t t = t0; t < std::min(L, t0 + block_size); t++) token_rows[t] = first + t - t0;
-      }
+      batch.list_task_rows(task, token_rows);
       const auto row = [&](int64_t t) { return token_rows[t]; };
       const auto* k_bytes = reinterpret_cast<const char*>(rows.k);
       const auto* v_bytes = reinterpret_cast<const char*>(rows.v);
@@ -357,14 +341,14 @@ torch::Tensor paged_decode(const torch::Tensor& q, const Rows& rows, int64_t KVH
       }
       for (int64_t g = 0; g < G; g++) softmax_inplace(scores.data() + g * L, L);
       rows.attend_values(scores.data(), L, G, token_rows.data(), acc.data(), pairs);
-      for (int64_t g = 0; g < G; g++)
-        for (int64_t d = 0; d < D; d++) op[(b * H + kvh * G + g) * D + d] = to_bf16(acc[g * D + d]);
+      uint16_t* out = batch.outputs(task);
+      for (int64_t i = 0; i < G * D; i++) out[i] = to_bf16(acc[i]);
     }
 #ifdef TOKENFLEET_AMX
     if (tiles) _tile_release();
 #endif
   }
-  return out;
+  return batch.out;
 }
 
 // One row x [D] bf16 as int8 with its bf16 scale, exactly as the reference quantize_per_row: scale =

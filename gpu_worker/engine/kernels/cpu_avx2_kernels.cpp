@@ -106,39 +106,27 @@ void attend_values(const float* p, int64_t L, const Rows& cache, const int64_t* 
     for (int c = 0; c < kChunks; c++) V::store_bf16(out + g * D + d0 + 8 * c, acc[g][c]);
 }
 
-// Decode attention straight from the paged cache: one query token per sequence, H query heads sharing KVH
-// key/value heads; a task per (sequence, KV head) reads that head's keys and values once for its query group.
-// q: [B, H, D] bf16; rows over [blocks, KVH, block_size, D]; block_tables [B, max_blocks]; context_lens [B].
+// Decode attention straight from the paged cache (paged_kv::DecodeBatch says its tasks): scores eight keys at a
+// time, an exact (two-pass) fp32 softmax, then the value sums.
 template <class Rows>
 torch::Tensor paged_decode(const torch::Tensor& q, const Rows& cache, int64_t KVH, int64_t block_size,
                            const torch::Tensor& block_tables, const torch::Tensor& context_lens, double scale) {
-  TORCH_CHECK(q.is_contiguous() && q.scalar_type() == at::kBFloat16, "q must be contiguous bf16");
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), G = H / KVH;
-  TORCH_CHECK(D % 32 == 0 && H % KVH == 0, "head_dim % 32 == 0 and whole query groups");
-  auto tables = block_tables.to(torch::kInt64).contiguous();
-  auto lens = context_lens.to(torch::kInt64).contiguous();
-  auto out = torch::empty_like(q);
-  const auto* qp = static_cast<const uint16_t*>(q.data_ptr());
-  auto* op = static_cast<uint16_t*>(out.data_ptr());
-  const int64_t* tp = tables.data_ptr<int64_t>();
-  const int64_t* lp = lens.data_ptr<int64_t>();
-  const int64_t max_blocks = tables.size(1);
+  const paged_kv::DecodeBatch batch(q, KVH, block_size, block_tables, context_lens);
+  const int64_t G = batch.G, D = batch.D;
 #pragma omp parallel
   {
     std::vector<float> qf(G * D), rows(8 * D), scores;
     std::vector<int64_t> token_rows;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < B * KVH; task++) {
-      const int64_t b = task / KVH, kvh = task % KVH, L = lp[b];
-      token_rows.resize(L);
-      for (int64_t t = 0; t < L; t++)
-        token_rows[t] = (tp[b * max_blocks + t / block_size] * KVH + kvh) * block_size + t % block_size;
-      const uint16_t* qb = qp + (b * H + kvh * G) * D;
+    for (int64_t task = 0; task < batch.tasks(); task++) {
+      const int64_t L = batch.context(task);
+      batch.list_task_rows(task, token_rows);
+      const uint16_t* qb = batch.queries(q, task);
       for (int64_t i = 0; i < G * D; i++) qf[i] = elementwise::bf16_value(qb[i]);
       scores.resize(G * L);
       score(qf.data(), G, D, cache, token_rows.data(), L, static_cast<float>(scale), rows.data(), scores.data());
       for (int64_t g = 0; g < G; g++) softmax(scores.data() + g * L, L);
-      uint16_t* ob = op + (b * H + kvh * G) * D;
+      uint16_t* ob = batch.outputs(task);
       for (int64_t g = 0; g < G; g += 3) {  // three heads at a time over 16 columns, fewer over 32
         const float* p = scores.data() + g * L;
         const int64_t heads = std::min<int64_t>(3, G - g);
@@ -150,7 +138,7 @@ torch::Tensor paged_decode(const torch::Tensor& q, const Rows& cache, int64_t KV
       }
     }
   }
-  return out;
+  return batch.out;
 }
 
 torch::Tensor paged_decode_attention_bf16(const torch::Tensor& q, const torch::Tensor& k_cache,
