@@ -1,0 +1,111 @@
+"""`tokenfleet bench avx2`: an AVX2-only host's serving path (no AVX512-BF16: widened-bf16 linears), its native
+kernels (`cpu_avx2_kernels.cpp`: the element-wise ops and decode attention) against the torch path they replace,
+on any x86 host with AVX2. The engine is made to choose its kernels as on such a host: this process's CPU flags lose
+every AVX-512, AMX and AVX-VNNI flag and oneDNN's bf16 packing is not used. torch's own ops keep whatever the CPU
+has, so on a CPU with AVX-512 the torch path runs faster than on a real AVX2 one. Both engines live in one process
+and take turns, each leading every other round; the ratio native / torch is taken per round (median [min, max]).
+On a real AVX2 host, `tokenfleet bench engine --peer llamacpp` gives the figure against the peer."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from datetime import date
+
+from .report import publish
+
+WORKLOADS = ("batch 1", "mixed")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="tokenfleet-large")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"])
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--num-requests", type=int, default=32, help="of the mixed workload (0: batch 1 only)")
+    p.add_argument("--json", dest="json_path", default=None)
+
+
+def _as_on_an_avx2_host() -> None:
+    """The kernel choices of a CPU with AVX2 and FMA but no AVX512-BF16, before any model loads."""
+    from gpu_worker.engine import kernels, linear
+
+    flags = frozenset(f for f in kernels.cpu_flags() if not f.startswith(("avx512", "amx", "avx_vnni")))
+    kernels.cpu_flags = lambda: flags
+    linear.onednn_packs_bf16 = lambda: False
+
+
+def _engines(args: argparse.Namespace) -> dict:
+    """"native" and "torch" LLMs, each with a function that says whether ops take the native element-wise kernels."""
+    from gpu_worker.engine import LLM, kv_cache_format, ops
+    from gpu_worker.engine.checkpoint import resolve_model_path
+
+    path, native_ops = str(resolve_model_path(args.model)), ops._native
+
+    def load():
+        return LLM(path, dtype="bfloat16", device="cpu", enable_prefix_caching=False,
+                   kv_cache_dtype=args.kv_cache_dtype)
+
+    native = load()
+    chosen = kv_cache_format.bf16_kernels
+    kv_cache_format.bf16_kernels = lambda: None  # the torch attention path
+    try:
+        torch_path = load()
+    finally:
+        kv_cache_format.bf16_kernels = chosen
+    return {"native": (native, native_ops), "torch": (torch_path, lambda *args, **kwargs: None)}
+
+
+def run(args: argparse.Namespace) -> dict:
+    _as_on_an_avx2_host()
+    from gpu_worker.engine import ops
+    from gpu_worker.engine.loader import kernel_summary
+
+    from .contestants import ours_batch1_tps, ours_mixed
+    from .workloads import batch1, mixed
+
+    engines = _engines(args)
+    vocab = engines["native"][0].engine.model_config.vocab_size
+    work = {"batch 1": batch1(vocab), "mixed": mixed(vocab, args.num_requests) if args.num_requests else None}
+    measure = {"batch 1": lambda llm: ours_batch1_tps(llm, work["batch 1"]),
+               "mixed": lambda llm: ours_mixed(llm, work["mixed"])["tps"]}
+    workloads = [w for w in WORKLOADS if work[w] is not None]
+    for llm, elementwise in engines.values():  # warm-up
+        ops._native = elementwise
+        ours_batch1_tps(llm, batch1(vocab, 16, 4, seed=1))
+    rounds = []
+    for r in range(args.rounds):
+        order = ("native", "torch") if r % 2 == 0 else ("torch", "native")
+        figures = {w: {} for w in workloads}
+        for name in order:
+            llm, elementwise = engines[name]
+            ops._native = elementwise
+            for w in workloads:
+                figures[w][name] = measure[w](llm)
+        rounds.append(figures)
+        print(f"round {r + 1}/{args.rounds} done", flush=True)
+    ops._native = engines["native"][1]
+    summary = {}
+    for w in workloads:
+        ratios = [f[w]["native"] / f[w]["torch"] for f in rounds]
+        summary[w] = {name: statistics.median(f[w][name] for f in rounds) for name in ("native", "torch")}
+        summary[w].update(ratio=statistics.median(ratios), ratio_min=min(ratios), ratio_max=max(ratios))
+    return {"date": date.today().isoformat(), "model": args.model, "kv_cache_dtype": args.kv_cache_dtype,
+            "native": kernel_summary(engines["native"][0].engine.runner.model),
+            "torch": kernel_summary(engines["torch"][0].engine.runner.model), "rounds": rounds, "summary": summary}
+
+
+def format_table(r: dict) -> str:
+    lines = [f"tokenfleet bench avx2 — {r['model']} bf16, KV cache {r['kv_cache_dtype']}, {r['date']}, "
+             f"{len(r['rounds'])} rounds, kernels chosen as on an AVX2 host",
+             f"native: {r['native']}", f"torch:  {r['torch']}", "",
+             "| workload | native tok/s | torch path tok/s | native / torch: median [min, max] |",
+             "|---|---:|---:|---|"]
+    for w, s in r["summary"].items():
+        lines.append(f"| {w} | {s['native']:.1f} | {s['torch']:.1f} | "
+                     f"{s['ratio']:.2f}x [{s['ratio_min']:.2f}, {s['ratio_max']:.2f}] |")
+    return "\n".join(lines)
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    result = run(args)
+    return publish(result, format_table(result), args.json_path)
