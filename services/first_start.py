@@ -46,7 +46,7 @@ def prepare(models: list[str], settings: WorkerSettings, out: TextIO = sys.stdou
         if model in BUILTIN_MODELS and not is_built(model):
             with elapsed(f"writing the {model} checkpoint (once)", out):
                 ensure_builtin(model)
-    # What a CPU worker serving bfloat16 loads (the default on CPUs that have AVX512-BF16).
-    if settings.device == "cpu" and kernels.cpu_has_avx512_bf16() and not kernels.cpu_kernels_built():
+    # What a CPU worker serving bfloat16 loads: the AVX-512 kernels, or on a CPU without AVX512-BF16 the AVX2 ones.
+    if settings.device == "cpu" and not kernels.bf16_kernels_built():
         with elapsed("compiling the CPU kernels (once per install)", out):
-            kernels.cpu_kernels()
+            kernels.bf16_kernels()

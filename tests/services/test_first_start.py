@@ -30,3 +30,17 @@ def test_a_built_in_checkpoint_is_written_before_the_workers_start_and_only_once
     assert said[-1].startswith("tokenfleet: writing the tokenfleet-small checkpoint (once): done in ")
     first_start.prepare(["tokenfleet-small"], gpu, again)
     assert again.getvalue() == ""
+
+
+def test_the_cpu_kernels_to_compile_are_those_the_cpus_bf16_worker_loads(tmp_path, monkeypatch):
+    from gpu_worker.engine import kernels
+
+    kernels.bf16_kernels()  # built in the usual cache (make setup does it)
+    assert kernels.bf16_kernels_built()
+    avx2_only = frozenset(f for f in kernels.cpu_flags() if not f.startswith(("avx512", "amx", "avx_vnni")))
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: avx2_only)
+    assert kernels.bf16_kernels_built() == (kernels.avx2_kernels() is not None)  # the AVX2 module, built
+    monkeypatch.setenv("TOKENFLEET_CACHE_DIR", str(tmp_path))  # an install with nothing compiled
+    assert kernels.bf16_kernels_built() == (not kernels.cpu_has(kernels.AVX2_FLAGS))
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset())  # no vector kernels at all: nothing to compile
+    assert kernels.bf16_kernels_built()

@@ -98,12 +98,28 @@ CPU_KERNEL_HEADERS = ("cpu_kernels.h", "amx_tiles.h", "elementwise.h", "vec.h", 
 AVX2_FLAGS = frozenset({"avx2", "fma"})
 
 
-def cpu_kernels_built() -> bool:
-    """Whether `cpu_kernels` has a module built (from sources no newer than it) to load at once."""
-    built = _build_dir() / f"{_cpu_kernels_build()[0]}.so"
+# cpu_avx2_kernels.cpp's module: name, sources, compiler flags.
+AVX2_BUILD = ("tokenfleet_avx2_kernels", ("cpu_avx2_kernels.cpp",), ["-mavx2", "-mfma"])
+
+
+def _bf16_build() -> tuple[str, tuple[str, ...], list[str]] | None:
+    """The module `bf16_kernels` loads on this CPU (name, sources, compiler flags), or None."""
+    if cpu_has_avx512_bf16():
+        name, flags = _cpu_kernels_build()
+        return name, CPU_KERNEL_SOURCES, flags
+    return AVX2_BUILD if cpu_has(AVX2_FLAGS) else None
+
+
+def bf16_kernels_built() -> bool:
+    """Whether nothing is left to compile before `bf16_kernels` loads: its module is built from sources no newer
+    than it, or this CPU has none."""
+    if (build := _bf16_build()) is None:
+        return True
+    name, sources, _ = build
+    built = _build_dir() / f"{name}.so"
     here = Path(__file__).parent
     return built.is_file() and all(built.stat().st_mtime >= (here / source).stat().st_mtime
-                                   for source in (*CPU_KERNEL_SOURCES, *CPU_KERNEL_HEADERS))
+                                   for source in (*sources, *CPU_KERNEL_HEADERS))
 
 
 @functools.cache
@@ -113,8 +129,8 @@ def cpu_kernels():
     or None (it needs AVX512-BF16)."""
     if not cpu_has_avx512_bf16():
         return None
-    name, flags = _cpu_kernels_build()
-    return _build(name, list(CPU_KERNEL_SOURCES), flags)
+    name, sources, flags = _bf16_build()
+    return _build(name, list(sources), flags)
 
 
 @functools.cache
@@ -123,7 +139,8 @@ def avx2_kernels():
     rotary, KV write and attention in float32 from the paged cache), or None."""
     if not cpu_has(AVX2_FLAGS):
         return None
-    return _build("tokenfleet_avx2_kernels", ["cpu_avx2_kernels.cpp"], ["-mavx2", "-mfma"])
+    name, sources, flags = AVX2_BUILD
+    return _build(name, list(sources), flags)
 
 
 def bf16_kernels():
