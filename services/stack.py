@@ -239,7 +239,7 @@ def banner(stack: LocalStack, host: str, finance_port: int, models: list[str], l
         f"  logs:         {log_dir}/<service>.log" if log_dir else "  logs:         on this console",
         f"  try: curl {stack.url}/v1/chat/completions -H 'Authorization: Bearer {stack.api_key}' "
         "-H 'Content-Type: application/json' -d '{\"model\": \"auto\", \"max_tokens\": 64, \"messages\": "
-        "[{\"role\": \"user\", \"content\": \"What is the capital of France?\"}]}'",
+        "[{\"role\": \"user\", \"content\": \"What is the capital of Germany?\"}]}'",
         "Ctrl-C stops everything.",
     ])
 

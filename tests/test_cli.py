@@ -39,9 +39,11 @@ def test_generate_stream_prints_the_same_text(model_dir):
 
 
 def test_generate_answers_with_the_trained_default_model_in_its_chat_template():
-    proc = _tokenfleet("generate", "--chat", "What is the capital of France?")
+    # Not "the capital of France": its first two tokens are 0.08 nats apart in float32, within what bf16 rounding
+    # moves them (bench/RESULTS.md), so a bf16 greedy answer to it depends on the CPU's kernels.
+    proc = _tokenfleet("generate", "--chat", "What is the capital of Germany?")
     assert proc.returncode == 0, proc.stderr
-    assert "Paris" in proc.stdout
+    assert "Berlin" in proc.stdout
 
 
 def test_generate_names_a_model_that_is_neither_known_nor_a_path():

@@ -247,10 +247,12 @@ class CpuPagedAttention(TorchPagedAttention):
                                                         self.scale)
 
 
-class AmxPagedAttention(CpuPagedAttention):
-    """`CpuPagedAttention` with prefill chunks on AMX tiles (`kernels/amx_prefill_attention.cpp`): all of a step's in
-    one call, straight from the paged cache, where torch's flash attention over each chunk's (gathered) context took
-    30 % of a prefill step on a Sapphire Rapids VM."""
+class NativePrefillAttention(CpuPagedAttention):
+    """`CpuPagedAttention` with prefill chunks by the module's native kernel too: all of a step's in one call,
+    straight from the paged cache, on AMX tiles (`kernels/amx_prefill_attention.cpp`) where the CPU has them and
+    Linux grants them, else with AVX512-BF16 dot products (`kernels/avx512_prefill_attention.cpp`). torch's flash
+    attention over each chunk's (gathered) context took 30 % of a prefill step on a Sapphire Rapids VM and 17 % of
+    the mixed workload on a Zen 5, its bf16 products through MKL's generic fp32 path on AMD."""
 
     def prefill(self, q, k, v, kv_cache, meta: AttentionMetadata, out: torch.Tensor) -> None:
         batch = meta.prefill_batch
@@ -259,8 +261,10 @@ class AmxPagedAttention(CpuPagedAttention):
 
     @staticmethod
     def supports(kernels, dtype: torch.dtype, device: torch.device, head_dim: int) -> bool:
+        # The AMX build's kernel needs Linux's leave to use the tiles; the AVX512-BF16 build's has no such check.
         return (CpuPagedAttention.supports(kernels, dtype, device, head_dim) and head_dim <= 128
-                and hasattr(kernels, "prefill_attention_bf16") and kernels.amx_usable())
+                and hasattr(kernels, "prefill_attention_bf16")
+                and (not hasattr(kernels, "amx_usable") or kernels.amx_usable()))
 
 
 class TritonPagedAttention(TorchPagedAttention):

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import torch
 
 from .attention import (
-    AmxPagedAttention,
     CpuPagedAttention,
     HeadLayout,
+    NativePrefillAttention,
     TorchPagedAttention,
     TritonPagedAttention,
     WidenedDecodeAttention,
@@ -57,8 +57,8 @@ class DenseKVFormat:
         kernels = bf16_kernels() if bf16_on_cpu else None
         for layer in model.layers:
             heads = layer.self_attn.attn.heads
-            if AmxPagedAttention.supports(kernels, self.dtype, device, model.config.head_dim):
-                layer.self_attn.attn = AmxPagedAttention(heads, kernels)
+            if NativePrefillAttention.supports(kernels, self.dtype, device, model.config.head_dim):
+                layer.self_attn.attn = NativePrefillAttention(heads, kernels)
             elif CpuPagedAttention.supports(kernels, self.dtype, device, model.config.head_dim):
                 layer.self_attn.attn = CpuPagedAttention(heads, kernels)
             elif bf16_on_cpu:

@@ -86,8 +86,8 @@ def test_up_serves_the_trained_default_model_on_embedded_redis_and_stops_everyth
     assert set(models) == {"smollm2-135m-instruct", "auto"}
     assert models["smollm2-135m-instruct"].model_extra["tier"] == "small,large"  # one model serves both tiers
     reply = client.chat.completions.create(model="auto", temperature=0, max_tokens=16,
-                                           messages=[{"role": "user", "content": "What is the capital of France?"}])
-    assert "Paris" in reply.choices[0].message.content and reply.model == "smollm2-135m-instruct"
+                                           messages=[{"role": "user", "content": "What is the capital of Germany?"}])
+    assert "Berlin" in reply.choices[0].message.content and reply.model == "smollm2-135m-instruct"
     unbounded = client.chat.completions.create(model="auto", temperature=0, extra_body={"ignore_eos": True},
                                                messages=[{"role": "user", "content": "Tell me a long story."}])
     assert unbounded.usage.completion_tokens == LOCAL_MAX_TOKENS  # the local stack's default, not 8k tokens
@@ -111,7 +111,7 @@ def test_up_restarts_a_killed_service_and_keeps_serving(up_process):
     assert said[0].startswith("tokenfleet: router exited with code -9; restarting it in 1 s (its log: "), said
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, timeout=120)
     reply = client.chat.completions.create(model="auto", temperature=0, max_tokens=8,
-                                           messages=[{"role": "user", "content": "What is the capital of France?"}])
+                                           messages=[{"role": "user", "content": "What is the capital of Germany?"}])
     assert reply.choices[0].message.content  # routed by the new router
 
     # `tokenfleet keys` finds the running stack's embedded Redis by itself

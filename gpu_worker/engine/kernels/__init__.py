@@ -93,7 +93,8 @@ def _cpu_kernels_build() -> tuple[str, list[str]]:
     return "tokenfleet_cpu_kernels", ["-mavx512f", "-mavx512bf16"]
 
 
-CPU_KERNEL_SOURCES = ("cpu_kernels.cpp", "cpu_attention_kernels.cpp", "amx_prefill_attention.cpp")
+CPU_KERNEL_SOURCES = ("cpu_kernels.cpp", "cpu_attention_kernels.cpp", "amx_prefill_attention.cpp",
+                      "avx512_prefill_attention.cpp")
 CPU_KERNEL_HEADERS = ("cpu_kernels.h", "amx_tiles.h", "elementwise.h", "vec.h", "sum16.h", "paged_kv.h")
 AVX2_FLAGS = frozenset({"avx2", "fma"})
 
@@ -124,9 +125,10 @@ def bf16_kernels_built() -> bool:
 
 @functools.cache
 def cpu_kernels():
-    """`cpu_kernels.cpp` + `cpu_attention_kernels.cpp` + `amx_prefill_attention.cpp` (bf16 element-wise ops, GEMV,
-    decode attention over bf16 and int8 caches; where the CPU has AMX, prefill attention on its tiles) as one module,
-    or None (it needs AVX512-BF16)."""
+    """`cpu_kernels.cpp` + `cpu_attention_kernels.cpp` + the prefill attention (bf16 element-wise ops, GEMV, decode
+    attention over bf16 and int8 caches, prefill attention: on AMX tiles where the CPU has them,
+    `amx_prefill_attention.cpp`, else `avx512_prefill_attention.cpp`) as one module, or None (it needs
+    AVX512-BF16)."""
     if not cpu_has_avx512_bf16():
         return None
     name, sources, flags = _bf16_build()

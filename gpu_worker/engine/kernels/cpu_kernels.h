@@ -68,7 +68,12 @@ void write_kv_int8(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor
                    const torch::Tensor& slot_blocks, const torch::Tensor& slot_offsets);
 torch::Tensor gather_int8_bf16(const torch::Tensor& kv_data, const torch::Tensor& kv_scale, int64_t which,
                                const torch::Tensor& block_tables, int64_t length);
-#ifdef TOKENFLEET_AMX
+#ifndef TOKENFLEET_AMX
+void prefill_attention_dpbf16(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                              const torch::Tensor& query_starts, const torch::Tensor& query_lens,
+                              const torch::Tensor& context_lens, const torch::Tensor& block_tables, double scale,
+                              torch::Tensor& out);
+#else
 void prefill_attention_bf16(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                             const torch::Tensor& query_starts, const torch::Tensor& query_lens,
                             const torch::Tensor& context_lens, const torch::Tensor& block_tables, double scale,
