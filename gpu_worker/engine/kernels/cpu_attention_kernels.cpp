@@ -25,19 +25,43 @@ inline void prefetch(const void* p, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(static_cast<const char*>(p) + b, static_cast<_mm_hint>(kHint));
 }
 
-// A cache's token-head rows as attention reads them (row r: [D] values at r * D). `dot` is a query head's
-// product with a key row as a vector still to be summed, times `key_scale`; `attend_values` sums the value rows
-// weighted by a head group's probabilities.
+// A cache's token-head rows as attention reads them (row r: [D] values at r * D). `dots` are a head group's
+// products with a key row, each a vector still to be summed, times `key_scale`; `attend_values` sums the value rows
+// weighted by the group's probabilities.
 struct Bf16Rows {
   static constexpr int64_t kBytes = 2;
   const uint16_t* k;
   const uint16_t* v;
   int64_t D;
-  __m512 dot(const uint16_t* q, const float*, int64_t r) const {
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t d = 0; d < D; d += 32)
-      acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q + d), (__m512bh)_mm512_loadu_si512(k + r * D + d));
-    return acc;
+
+  // out[16 g] = the G query heads' (q: [G][D]) products with key row r, the row loaded once for all of them:
+  // loaded once per head, in a loop over a runtime D, the score pass had read each key row G times (12/4 heads of
+  // 64, 112 sequences of 160-460 tokens on a Zen 5: 0.92 -> 0.76 ms a layer in cache, 1.27 -> 1.17 from DRAM).
+  void dots(const uint16_t* q, const float*, int64_t r, int64_t G, __m512* out) const {
+    const uint16_t* key = k + r * D;
+    switch (D) {
+      case 64: dots_of<2>(q, key, G, out); break;
+      case 128: dots_of<4>(q, key, G, out); break;
+      default:
+        for (int64_t g = 0; g < G; g++) {
+          __m512 acc = _mm512_setzero_ps();
+          for (int64_t d = 0; d < D; d += 32)
+            acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q + g * D + d), (__m512bh)_mm512_loadu_si512(key + d));
+          out[16 * g] = acc;
+        }
+    }
+  }
+  // The same with the row's kChunks vectors of 32 dims held in registers across the heads.
+  template <int kChunks>
+  static void dots_of(const uint16_t* q, const uint16_t* key, int64_t G, __m512* out) {
+    __m512bh row[kChunks];
+    for (int c = 0; c < kChunks; c++) row[c] = (__m512bh)_mm512_loadu_si512(key + 32 * c);
+    for (int64_t g = 0; g < G; g++) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int c = 0; c < kChunks; c++)
+        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q + (g * kChunks + c) * 32), row[c]);
+      out[16 * g] = acc;
+    }
   }
   float key_scale(int64_t) const { return 1.0f; }
 
@@ -138,10 +162,12 @@ struct Int8Rows {
   static __m512 int8x16(const int8_t* p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   }
-  __m512 dot(const uint16_t*, const float* q, int64_t r) const {
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t d = 0; d < D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), int8x16(k + r * D + d), acc);
-    return acc;
+  void dots(const uint16_t*, const float* q, int64_t r, int64_t G, __m512* out) const {
+    for (int64_t g = 0; g < G; g++) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t d = 0; d < D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + d), int8x16(k + r * D + d), acc);
+      out[16 * g] = acc;
+    }
   }
   float key_scale(int64_t r) const { return bf16_to_float(k_scale[r]); }
 
@@ -259,6 +285,7 @@ torch::Tensor paged_decode(const torch::Tensor& q, const Rows& rows, int64_t KVH
 #pragma omp parallel
   {
     std::vector<float> scores, acc, qf(G * D);
+    std::vector<__m512> dots(16 * G);  // [head][16 keys]: products still to be summed
     std::vector<int64_t> token_rows;
     std::vector<uint16_t> pairs;
 #ifdef TOKENFLEET_AMX
@@ -332,11 +359,12 @@ torch::Tensor paged_decode(const torch::Tensor& q, const Rows& rows, int64_t KVH
           prefetch<_MM_HINT_T1>(v_bytes + r[i] * row_bytes, row_bytes);
           if (t + kL2Ahead < L) prefetch<_MM_HINT_T1>(k_bytes + row(t + kL2Ahead) * row_bytes, row_bytes);
         }
+        for (int64_t i = 0; i < n; i++) rows.dots(qb, qf.data(), r[i], G, dots.data() + i);
         for (int64_t g = 0; g < G; g++) {
-          __m512 dots[16];
-          for (int64_t i = 0; i < 16; i++) dots[i] = i < n ? rows.dot(qb + g * D, qf.data() + g * D, r[i]) : _mm512_setzero_ps();
+          __m512(&group)[16] = *reinterpret_cast<__m512(*)[16]>(dots.data() + 16 * g);
+          for (int64_t i = n; i < 16; i++) group[i] = _mm512_setzero_ps();
           _mm512_mask_storeu_ps(scores.data() + g * L + t0, static_cast<__mmask16>((1u << n) - 1),
-                                _mm512_mul_ps(sum16(dots), _mm512_load_ps(key_scale)));
+                                _mm512_mul_ps(sum16(group), _mm512_load_ps(key_scale)));
         }
       }
       for (int64_t g = 0; g < G; g++) softmax_inplace(scores.data() + g * L, L);
