@@ -46,7 +46,8 @@ def prepare(models: list[str], settings: WorkerSettings, out: TextIO = sys.stdou
         if model in BUILTIN_MODELS and not is_built(model):
             with elapsed(f"writing the {model} checkpoint (once)", out):
                 ensure_builtin(model)
-    # What a CPU worker serving bfloat16 loads: the AVX-512 kernels, or on a CPU without AVX512-BF16 the AVX2 ones.
-    if settings.device == "cpu" and not kernels.bf16_kernels_built():
+    # What a CPU worker loads: the bf16 kernels for this CPU and the quantized linears' (the default model is
+    # served quantized); left to the worker, they compiled inside its model load with nothing on the console.
+    if settings.device == "cpu" and not kernels.cpu_worker_kernels_built():
         with elapsed("compiling the CPU kernels (once per install)", out):
-            kernels.bf16_kernels()
+            kernels.build_cpu_worker_kernels()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 import time
 
 from services import first_start
@@ -32,15 +33,34 @@ def test_a_built_in_checkpoint_is_written_before_the_workers_start_and_only_once
     assert again.getvalue() == ""
 
 
-def test_the_cpu_kernels_to_compile_are_those_the_cpus_bf16_worker_loads(tmp_path, monkeypatch):
+def test_the_cpu_kernels_to_compile_are_those_a_cpu_worker_loads(tmp_path, monkeypatch):
     from gpu_worker.engine import kernels
 
-    kernels.bf16_kernels()  # built in the usual cache (make setup does it)
-    assert kernels.bf16_kernels_built()
+    kernels.build_cpu_worker_kernels()  # in the usual cache (make setup does it)
+    assert kernels.cpu_worker_kernels_built()
+    names = {module.name for module in kernels.cpu_worker_modules()}
+    if kernels.cpu_has_avx512_bf16() and kernels.cpu_has(kernels.QUANT_VNNI_FLAGS):
+        assert {"tokenfleet_quant_cpu_kernels", "tokenfleet_quant_vnni_kernels"} <= names
     avx2_only = frozenset(f for f in kernels.cpu_flags() if not f.startswith(("avx512", "amx", "avx_vnni")))
     monkeypatch.setattr(kernels, "cpu_flags", lambda: avx2_only)
-    assert kernels.bf16_kernels_built() == (kernels.avx2_kernels() is not None)  # the AVX2 module, built
+    assert {module.name for module in kernels.cpu_worker_modules()} <= {"tokenfleet_avx2_kernels",
+                                                                        "tokenfleet_quant_cpu_kernels"}
     monkeypatch.setenv("TOKENFLEET_CACHE_DIR", str(tmp_path))  # an install with nothing compiled
-    assert kernels.bf16_kernels_built() == (not kernels.cpu_has(kernels.AVX2_FLAGS))
+    assert kernels.cpu_worker_kernels_built() == (not kernels.cpu_has(kernels.AVX2_FLAGS))
     monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset())  # no vector kernels at all: nothing to compile
-    assert kernels.bf16_kernels_built()
+    assert kernels.cpu_worker_modules() == [] and kernels.cpu_worker_kernels_built()
+
+
+def test_a_kernel_module_is_stale_once_a_header_it_includes_is_newer_than_it(tmp_path, monkeypatch):
+    from gpu_worker.engine import kernels
+
+    module = kernels.AVX2_MODULE
+    assert {path.name for path in module.inputs()} >= {"cpu_avx2_kernels.cpp", "paged_kv.h", "elementwise.h", "vec.h"}
+    assert not {path.name for path in module.inputs()} & {"amx_tiles.h", "quant_common.h"}
+    monkeypatch.setattr(kernels, "_build_dir", lambda: tmp_path)
+    library = tmp_path / f"{module.name}.so"
+    library.write_bytes(b"")
+    assert module.built()
+    vec_h = next(path for path in module.inputs() if path.name == "vec.h")
+    os.utime(library, (vec_h.stat().st_mtime - 10, vec_h.stat().st_mtime - 10))
+    assert not module.built()

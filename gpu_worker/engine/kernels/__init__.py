@@ -6,6 +6,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -71,56 +73,88 @@ def _build_dir() -> Path:
     return cache_dir() / "kernels" / f"torch-{torch.__version__}" / hashlib.sha1(str(here).encode()).hexdigest()[:12]
 
 
-def _build(name: str, sources: list[str], cflags: list[str]):
-    from torch.utils.cpp_extension import load
+@dataclass(frozen=True)
+class NativeModule:
+    """One native kernel module: its name, its sources in this folder, and the compiler flags it needs."""
 
-    here, build = Path(__file__).parent, _build_dir()
-    build.mkdir(parents=True, exist_ok=True)
-    try:
-        return load(name=name, sources=[str(here / source) for source in sources], build_directory=str(build),
-                    extra_cflags=["-O3", *cflags, "-fopenmp"], extra_ldflags=["-fopenmp"])
-    except Exception as exc:  # no compiler or ninja
-        log.warning("%s unavailable (%s); using the torch path", " + ".join(sources), exc)
-        return None
+    name: str
+    sources: tuple[str, ...]
+    cflags: tuple[str, ...]
 
+    def built(self) -> bool:
+        """Whether its library is on disk, no older than its sources and the headers they include."""
+        library = _build_dir() / f"{self.name}.so"
+        return library.is_file() and all(library.stat().st_mtime >= path.stat().st_mtime for path in self.inputs())
 
-def _cpu_kernels_build() -> tuple[str, list[str]]:
-    """The bf16 kernels' module name and flags: with AMX where the CPU has it (decode attention's scores on tiles),
-    AVX512-BF16 alone elsewhere."""
-    if cpu_has(AMX_BF16_FLAGS):
-        return "tokenfleet_cpu_kernels_amx", ["-mavx512f", "-mavx512bf16", "-mamx-tile", "-mamx-bf16",
-                                              "-DTOKENFLEET_AMX"]
-    return "tokenfleet_cpu_kernels", ["-mavx512f", "-mavx512bf16"]
+    def inputs(self) -> set[Path]:
+        """Its sources and, through their `#include "..."` lines, every header of this folder they read."""
+        here = Path(__file__).parent
+        found, pending = set(), [here / source for source in self.sources]
+        while pending:
+            path = pending.pop()
+            if path not in found and path.is_file():
+                found.add(path)
+                pending += [here / name for name in re.findall(r'^#include "([^"]+)"', path.read_text(), re.M)]
+        return found
+
+    def load(self):
+        """The compiled module (compiling it first where needed), or None where it cannot be built."""
+        from torch.utils.cpp_extension import load
+
+        here, build = Path(__file__).parent, _build_dir()
+        build.mkdir(parents=True, exist_ok=True)
+        try:
+            return load(name=self.name, sources=[str(here / source) for source in self.sources],
+                        build_directory=str(build), extra_cflags=["-O3", *self.cflags, "-fopenmp"],
+                        extra_ldflags=["-fopenmp"])
+        except Exception as exc:  # no compiler or ninja
+            log.warning("%s unavailable (%s); using the torch path", " + ".join(self.sources), exc)
+            return None
 
 
 CPU_KERNEL_SOURCES = ("cpu_kernels.cpp", "cpu_attention_kernels.cpp", "amx_prefill_attention.cpp",
                       "avx512_prefill_attention.cpp")
-CPU_KERNEL_HEADERS = ("cpu_kernels.h", "amx_tiles.h", "elementwise.h", "vec.h", "sum16.h", "paged_kv.h")
+# The bf16 module: with AMX where the CPU has it (decode attention's scores and prefill attention on tiles),
+# AVX512-BF16 alone elsewhere; and the AVX2 module for CPUs without AVX512-BF16.
+CPU_MODULE = NativeModule("tokenfleet_cpu_kernels", CPU_KERNEL_SOURCES, ("-mavx512f", "-mavx512bf16"))
+CPU_AMX_MODULE = NativeModule("tokenfleet_cpu_kernels_amx", CPU_KERNEL_SOURCES,
+                              ("-mavx512f", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-DTOKENFLEET_AMX"))
+AVX2_MODULE = NativeModule("tokenfleet_avx2_kernels", ("cpu_avx2_kernels.cpp",), ("-mavx2", "-mfma"))
+QUANT_CPU_MODULE = NativeModule("tokenfleet_quant_cpu_kernels", ("quant_cpu_kernels.cpp", "quant_avx2_gemv.cpp"),
+                                ("-mavx2", "-mfma", "-mf16c"))
+QUANT_VNNI_MODULE = NativeModule("tokenfleet_quant_vnni_kernels", ("quant_vnni_kernels.cpp", "quant_vnni_gemm.cpp"),
+                                 ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512dq"))
+QUANT_AMX_MODULE = NativeModule("tokenfleet_quant_amx_kernels", ("quant_amx_kernels.cpp",),
+                                ("-mamx-tile", "-mamx-bf16", "-mavx512f", "-mavx512bw", "-mavx512vl",
+                                 "-mavx512bf16"))
 AVX2_FLAGS = frozenset({"avx2", "fma"})
 
 
-# cpu_avx2_kernels.cpp's module: name, sources, compiler flags.
-AVX2_BUILD = ("tokenfleet_avx2_kernels", ("cpu_avx2_kernels.cpp",), ["-mavx2", "-mfma"])
-
-
-def _bf16_build() -> tuple[str, tuple[str, ...], list[str]] | None:
-    """The module `bf16_kernels` loads on this CPU (name, sources, compiler flags), or None."""
+def _bf16_module() -> NativeModule | None:
+    """The module `bf16_kernels` loads on this CPU, or None."""
     if cpu_has_avx512_bf16():
-        name, flags = _cpu_kernels_build()
-        return name, CPU_KERNEL_SOURCES, flags
-    return AVX2_BUILD if cpu_has(AVX2_FLAGS) else None
+        return CPU_AMX_MODULE if cpu_has(AMX_BF16_FLAGS) else CPU_MODULE
+    return AVX2_MODULE if cpu_has(AVX2_FLAGS) else None
 
 
-def bf16_kernels_built() -> bool:
-    """Whether nothing is left to compile before `bf16_kernels` loads: its module is built from sources no newer
-    than it, or this CPU has none."""
-    if (build := _bf16_build()) is None:
-        return True
-    name, sources, _ = build
-    built = _build_dir() / f"{name}.so"
-    here = Path(__file__).parent
-    return built.is_file() and all(built.stat().st_mtime >= (here / source).stat().st_mtime
-                                   for source in (*sources, *CPU_KERNEL_HEADERS))
+def cpu_worker_modules() -> list[NativeModule]:
+    """The modules a CPU worker may load on this CPU: the bf16 one, and the quantized linears' (the default model
+    is served quantized)."""
+    quantized = [(QUANT_CPU_MODULE, QUANT_CPU_FLAGS), (QUANT_VNNI_MODULE, QUANT_VNNI_FLAGS),
+                 (QUANT_AMX_MODULE, QUANT_AMX_FLAGS)]
+    bf16 = _bf16_module()
+    return ([bf16] if bf16 else []) + [module for module, flags in quantized if cpu_has(flags)]
+
+
+def cpu_worker_kernels_built() -> bool:
+    """Whether nothing is left to compile before a CPU worker loads its kernels."""
+    return all(module.built() for module in cpu_worker_modules())
+
+
+def build_cpu_worker_kernels() -> None:
+    """Compiles what `cpu_worker_kernels_built` found missing, through the loaders a worker calls."""
+    for loader in (bf16_kernels, quant_cpu_kernels, quant_vnni_kernels, quant_amx_kernels):
+        loader()
 
 
 @functools.cache
@@ -129,20 +163,14 @@ def cpu_kernels():
     attention over bf16 and int8 caches, prefill attention: on AMX tiles where the CPU has them,
     `amx_prefill_attention.cpp`, else `avx512_prefill_attention.cpp`) as one module, or None (it needs
     AVX512-BF16)."""
-    if not cpu_has_avx512_bf16():
-        return None
-    name, sources, flags = _bf16_build()
-    return _build(name, list(sources), flags)
+    return _bf16_module().load() if cpu_has_avx512_bf16() else None
 
 
 @functools.cache
 def avx2_kernels():
     """`cpu_avx2_kernels.cpp` (on AVX2 + FMA vectors: the element-wise kernels of `cpu_kernels`, and a decode step's
     rotary, KV write and attention in float32 from the paged cache), or None."""
-    if not cpu_has(AVX2_FLAGS):
-        return None
-    name, sources, flags = AVX2_BUILD
-    return _build(name, list(sources), flags)
+    return AVX2_MODULE.load() if cpu_has(AVX2_FLAGS) else None
 
 
 def bf16_kernels():
@@ -159,8 +187,7 @@ def quant_cpu_kernels():
     if not cpu_has(QUANT_CPU_FLAGS):
         log.warning("quantized CPU kernels need AVX2, FMA and F16C; using the torch path")
         return None
-    return _build("tokenfleet_quant_cpu_kernels", ["quant_cpu_kernels.cpp", "quant_avx2_gemv.cpp"],
-                  ["-mavx2", "-mfma", "-mf16c"])
+    return QUANT_CPU_MODULE.load()
 
 
 @functools.cache
@@ -169,8 +196,7 @@ def quant_vnni_kernels():
     and for many) as one module, or None (it needs AVX512-VNNI: Intel since Cascade Lake, AMD since Zen 4)."""
     if not cpu_has(QUANT_VNNI_FLAGS):
         return None
-    return _build("tokenfleet_quant_vnni_kernels", ["quant_vnni_kernels.cpp", "quant_vnni_gemm.cpp"],
-                  ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512dq"])
+    return QUANT_VNNI_MODULE.load()
 
 
 @functools.cache
@@ -179,6 +205,5 @@ def quant_amx_kernels():
     Intel since Sapphire Rapids, and Linux's leave to use it)."""
     if not cpu_has(QUANT_AMX_FLAGS):
         return None
-    module = _build("tokenfleet_quant_amx_kernels", ["quant_amx_kernels.cpp"],
-                    ["-mamx-tile", "-mamx-bf16", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"])
+    module = QUANT_AMX_MODULE.load()
     return module if module is not None and module.amx_usable() else None
