@@ -62,6 +62,7 @@ QUANT_CPU_FLAGS = frozenset({"avx2", "fma", "f16c"})
 QUANT_VNNI_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"})
 QUANT_AMX_FLAGS = frozenset({"amx_tile", "amx_bf16", "avx512_bf16", "avx512bw", "avx512vl"})
 AMX_BF16_FLAGS = frozenset({"amx_tile", "amx_bf16", "avx512_bf16"})
+AVX2_FLAGS = frozenset({"avx2", "fma"})
 
 
 def _build_dir() -> Path:
@@ -75,11 +76,16 @@ def _build_dir() -> Path:
 
 @dataclass(frozen=True)
 class NativeModule:
-    """One native kernel module: its name, its sources in this folder, and the compiler flags it needs."""
+    """One native kernel module: its name, its sources in this folder, the compiler flags it needs, and the CPU
+    flags (/proc/cpuinfo) its instructions need."""
 
     name: str
     sources: tuple[str, ...]
     cflags: tuple[str, ...]
+    needs: frozenset[str]
+
+    def fits_this_cpu(self) -> bool:
+        return cpu_has(self.needs)
 
     def built(self) -> bool:
         """Whether its library is on disk, no older than its sources and the headers they include."""
@@ -116,34 +122,33 @@ CPU_KERNEL_SOURCES = ("cpu_kernels.cpp", "cpu_attention_kernels.cpp", "amx_prefi
                       "avx512_prefill_attention.cpp")
 # The bf16 module: with AMX where the CPU has it (decode attention's scores and prefill attention on tiles),
 # AVX512-BF16 alone elsewhere; and the AVX2 module for CPUs without AVX512-BF16.
-CPU_MODULE = NativeModule("tokenfleet_cpu_kernels", CPU_KERNEL_SOURCES, ("-mavx512f", "-mavx512bf16"))
+CPU_MODULE = NativeModule("tokenfleet_cpu_kernels", CPU_KERNEL_SOURCES, ("-mavx512f", "-mavx512bf16"),
+                          frozenset({"avx512_bf16"}))
 CPU_AMX_MODULE = NativeModule("tokenfleet_cpu_kernels_amx", CPU_KERNEL_SOURCES,
-                              ("-mavx512f", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-DTOKENFLEET_AMX"))
-AVX2_MODULE = NativeModule("tokenfleet_avx2_kernels", ("cpu_avx2_kernels.cpp",), ("-mavx2", "-mfma"))
+                              ("-mavx512f", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-DTOKENFLEET_AMX"),
+                              AMX_BF16_FLAGS)
+AVX2_MODULE = NativeModule("tokenfleet_avx2_kernels", ("cpu_avx2_kernels.cpp",), ("-mavx2", "-mfma"), AVX2_FLAGS)
 QUANT_CPU_MODULE = NativeModule("tokenfleet_quant_cpu_kernels", ("quant_cpu_kernels.cpp", "quant_avx2_gemv.cpp"),
-                                ("-mavx2", "-mfma", "-mf16c"))
+                                ("-mavx2", "-mfma", "-mf16c"), QUANT_CPU_FLAGS)
 QUANT_VNNI_MODULE = NativeModule("tokenfleet_quant_vnni_kernels", ("quant_vnni_kernels.cpp", "quant_vnni_gemm.cpp"),
-                                 ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512dq"))
+                                 ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512dq"),
+                                 QUANT_VNNI_FLAGS)
 QUANT_AMX_MODULE = NativeModule("tokenfleet_quant_amx_kernels", ("quant_amx_kernels.cpp",),
                                 ("-mamx-tile", "-mamx-bf16", "-mavx512f", "-mavx512bw", "-mavx512vl",
-                                 "-mavx512bf16"))
-AVX2_FLAGS = frozenset({"avx2", "fma"})
+                                 "-mavx512bf16"), QUANT_AMX_FLAGS)
 
 
 def _bf16_module() -> NativeModule | None:
-    """The module `bf16_kernels` loads on this CPU, or None."""
-    if cpu_has_avx512_bf16():
-        return CPU_AMX_MODULE if cpu_has(AMX_BF16_FLAGS) else CPU_MODULE
-    return AVX2_MODULE if cpu_has(AVX2_FLAGS) else None
+    """The module `bf16_kernels` loads on this CPU, or None: the first of these that fits it."""
+    return next((m for m in (CPU_AMX_MODULE, CPU_MODULE, AVX2_MODULE) if m.fits_this_cpu()), None)
 
 
 def cpu_worker_modules() -> list[NativeModule]:
     """The modules a CPU worker may load on this CPU: the bf16 one, and the quantized linears' (the default model
     is served quantized)."""
-    quantized = [(QUANT_CPU_MODULE, QUANT_CPU_FLAGS), (QUANT_VNNI_MODULE, QUANT_VNNI_FLAGS),
-                 (QUANT_AMX_MODULE, QUANT_AMX_FLAGS)]
     bf16 = _bf16_module()
-    return ([bf16] if bf16 else []) + [module for module, flags in quantized if cpu_has(flags)]
+    quantized = [m for m in (QUANT_CPU_MODULE, QUANT_VNNI_MODULE, QUANT_AMX_MODULE) if m.fits_this_cpu()]
+    return ([bf16] if bf16 else []) + quantized
 
 
 def cpu_worker_kernels_built() -> bool:
@@ -163,14 +168,14 @@ def cpu_kernels():
     attention over bf16 and int8 caches, prefill attention: on AMX tiles where the CPU has them,
     `amx_prefill_attention.cpp`, else `avx512_prefill_attention.cpp`) as one module, or None (it needs
     AVX512-BF16)."""
-    return _bf16_module().load() if cpu_has_avx512_bf16() else None
+    return _bf16_module().load() if CPU_MODULE.fits_this_cpu() else None
 
 
 @functools.cache
 def avx2_kernels():
     """`cpu_avx2_kernels.cpp` (on AVX2 + FMA vectors: the element-wise kernels of `cpu_kernels`, and a decode step's
     rotary, KV write and attention in float32 from the paged cache), or None."""
-    return AVX2_MODULE.load() if cpu_has(AVX2_FLAGS) else None
+    return AVX2_MODULE.load() if AVX2_MODULE.fits_this_cpu() else None
 
 
 def bf16_kernels():
@@ -184,7 +189,7 @@ def quant_cpu_kernels():
     """`quant_cpu_kernels.cpp` + `quant_avx2_gemv.cpp` (int8 / int4 products, bf16 or fp32 activations, or int8
     ones for int4's GEMV; bf16 products for CPUs without native bf16) as one module, or None (it needs AVX2 + FMA +
     F16C)."""
-    if not cpu_has(QUANT_CPU_FLAGS):
+    if not QUANT_CPU_MODULE.fits_this_cpu():
         log.warning("quantized CPU kernels need AVX2, FMA and F16C; using the torch path")
         return None
     return QUANT_CPU_MODULE.load()
@@ -194,16 +199,14 @@ def quant_cpu_kernels():
 def quant_vnni_kernels():
     """`quant_vnni_kernels.cpp` + `quant_vnni_gemm.cpp` (int8 / int4 products with int8 activations, for few rows
     and for many) as one module, or None (it needs AVX512-VNNI: Intel since Cascade Lake, AMD since Zen 4)."""
-    if not cpu_has(QUANT_VNNI_FLAGS):
-        return None
-    return QUANT_VNNI_MODULE.load()
+    return QUANT_VNNI_MODULE.load() if QUANT_VNNI_MODULE.fits_this_cpu() else None
 
 
 @functools.cache
 def quant_amx_kernels():
     """`quant_amx_kernels.cpp` (int8 / int4 products for tens of rows on AMX) as a module, or None (it needs AMX:
     Intel since Sapphire Rapids, and Linux's leave to use it)."""
-    if not cpu_has(QUANT_AMX_FLAGS):
+    if not QUANT_AMX_MODULE.fits_this_cpu():
         return None
     module = QUANT_AMX_MODULE.load()
     return module if module is not None and module.amx_usable() else None
