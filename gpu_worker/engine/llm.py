@@ -11,11 +11,19 @@ from .llm_engine import LLMEngine
 from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import SamplingParams
 
+# Tokens a step may carry when the caller does not say, on CPU: vLLM's default for its offline LLM class there,
+# which favours throughput over a running request's time between tokens (its server, like our services, keeps
+# 2048). The mixed benchmark on an AMX Xeon, alternating processes: 4096 against 2048 a median +2 % over seven
+# pairs (-0.3 to +8 %: fewer, larger prefill steps), 8192 against 4096 -4 to -6 % in two.
+OFFLINE_CPU_MAX_NUM_BATCHED_TOKENS = 4096
+
 
 class LLM:
     def __init__(self, model: str, **engine_kwargs):
         if "speculative_config" in engine_kwargs:  # vLLM's spelling
             engine_kwargs["speculative"] = engine_kwargs.pop("speculative_config")
+        if str(engine_kwargs.get("device", EngineConfig.device)).startswith("cpu"):
+            engine_kwargs.setdefault("max_num_batched_tokens", OFFLINE_CPU_MAX_NUM_BATCHED_TOKENS)
         known = {f.name for f in fields(EngineConfig)}
         unknown = set(engine_kwargs) - known
         if unknown:

@@ -140,3 +140,9 @@ def test_a_seeded_request_run_alone_gives_the_same_tokens_every_time_in_bf16(mak
     prompt = _prompts(1, seed=11)[0]
     runs = [llm.generate(prompt, params)[0].token_ids for _ in range(3)]
     assert runs[0] == runs[1] == runs[2] and len(runs[0]) == 24
+
+
+def test_the_offline_class_steps_up_to_vllms_cpu_default_unless_told(make_checkpoint):
+    model = str(make_checkpoint("llama"))
+    assert LLM(model, dtype="float32").engine.scheduler.config.max_num_batched_tokens == 4096
+    assert LLM(model, dtype="float32", max_num_batched_tokens=64).engine.scheduler.config.max_num_batched_tokens == 64
