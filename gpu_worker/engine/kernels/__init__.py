@@ -138,9 +138,14 @@ QUANT_AMX_MODULE = NativeModule("tokenfleet_quant_amx_kernels", ("quant_amx_kern
                                  "-mavx512bf16"), QUANT_AMX_FLAGS)
 
 
+def _avx512_bf16_module() -> NativeModule | None:
+    """The module `cpu_kernels` loads on this CPU (the AMX build where it has AMX), or None."""
+    return next((m for m in (CPU_AMX_MODULE, CPU_MODULE) if m.fits_this_cpu()), None)
+
+
 def _bf16_module() -> NativeModule | None:
-    """The module `bf16_kernels` loads on this CPU, or None: the first of these that fits it."""
-    return next((m for m in (CPU_AMX_MODULE, CPU_MODULE, AVX2_MODULE) if m.fits_this_cpu()), None)
+    """The module `bf16_kernels` loads on this CPU, or None."""
+    return _avx512_bf16_module() or (AVX2_MODULE if AVX2_MODULE.fits_this_cpu() else None)
 
 
 def cpu_worker_modules() -> list[NativeModule]:
@@ -157,9 +162,9 @@ def cpu_worker_kernels_built() -> bool:
 
 
 def build_cpu_worker_kernels() -> None:
-    """Compiles what `cpu_worker_kernels_built` found missing, through the loaders a worker calls."""
-    for loader in (bf16_kernels, quant_cpu_kernels, quant_vnni_kernels, quant_amx_kernels):
-        loader()
+    """Compiles the modules `cpu_worker_modules` lists (those already built only load)."""
+    for module in cpu_worker_modules():
+        module.load()
 
 
 @functools.cache
@@ -168,7 +173,8 @@ def cpu_kernels():
     attention over bf16 and int8 caches, prefill attention: on AMX tiles where the CPU has them,
     `amx_prefill_attention.cpp`, else `avx512_prefill_attention.cpp`) as one module, or None (it needs
     AVX512-BF16)."""
-    return _bf16_module().load() if CPU_MODULE.fits_this_cpu() else None
+    module = _avx512_bf16_module()
+    return module.load() if module is not None else None
 
 
 @functools.cache
