@@ -65,6 +65,8 @@ BENCHMARKS = {
     "soak": ("bench.soak", "the stack at a steady rate for minutes: every service's RSS slope, p99, nothing lost"),
     "fuzz": ("bench.fuzz", "Schemathesis against the gateway's OpenAPI document, in process: failures by check"),
     "deterministic": ("bench.deterministic", "batch-invariant mode against the default kernels: decode and prefill"),
+    "decode-parts": ("bench.decode_parts", "a large decode step's attention and projections against the read "
+                                           "bandwidth, from DRAM and from the caches"),
     "avx2": ("bench.avx2_path", "an AVX2-only host's native kernels against the torch path, kernels chosen as there"),
 }
 

@@ -1,0 +1,144 @@
+"""`tokenfleet bench decode-parts`: a large decode step's two memory streams, each against the host's read bandwidth.
+
+A decode step of many rows reads every layer's weights once and every running sequence's KV cache once; on a CPU
+whose L3 holds neither, both come from DRAM. This measures, per layer, the engine's own decode attention (`decode`
+of the attention it installed) over `--rows` sequences of `--context` tokens, and the layer's four projections on
+that many rows, each two ways: every layer's cache or weights in turn (what a step reads: from DRAM where they
+exceed the L3) and one layer's again and again (from the caches). The first against the read bandwidth measured in
+the same round says how near a step's memory-bound parts are to the roofline; the second, what they cost once the
+bytes are near. Rounds interleave the four readings; medians and spreads are reported.
+
+    tokenfleet bench decode-parts [--rows 112] [--context 160 460] [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from datetime import date
+
+import torch
+
+from .host import describe, read_bandwidth_gbs
+from .report import publish
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="tokenfleet-large")
+    p.add_argument("--rows", type=int, default=112, help="decode rows (running sequences) of the step")
+    p.add_argument("--context", type=int, nargs=2, default=(160, 460), metavar=("MIN", "MAX"),
+                   help="each sequence's context length, drawn uniformly")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=3, help="passes over the layers per reading")
+    p.add_argument("--json", dest="json_path", default=None)
+
+
+def _decode_metadata(context_lens: list[int], block_size: int, rng: random.Random):
+    """Each sequence through its own blocks of a shuffled pool, as a long-running engine's are."""
+    from gpu_worker.engine.attention import AttentionMetadata
+
+    need = [-(-n // block_size) for n in context_lens]
+    pool = list(range(sum(need)))
+    rng.shuffle(pool)
+    tables, at = [], 0
+    for n in need:
+        tables.append(pool[at:at + n])
+        at += n
+    width = max(need)
+    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    lens = torch.tensor(context_lens)
+    last = torch.tensor([t[(n - 1) // block_size] for t, n in zip(tables, context_lens, strict=True)])
+    return AttentionMetadata(last, (lens - 1) % block_size, block_size, context_lens, padded, lens, []), sum(need)
+
+
+def _projections(layer) -> list:
+    return [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+
+
+def _seconds_per_pass(run, passes: int) -> float:
+    started = time.perf_counter()
+    for _ in range(passes):
+        run()
+    return (time.perf_counter() - started) / passes
+
+
+def run(args: argparse.Namespace) -> dict:
+    from gpu_worker.engine import LLM
+    from gpu_worker.engine.checkpoint import resolve_model_path
+
+    llm = LLM(str(resolve_model_path(args.model)), dtype="bfloat16", device="cpu", enable_prefix_caching=False)
+    engine, cfg = llm.engine, llm.engine.model_config
+    layers = engine.runner.model.layers
+    rng = random.Random(0)
+    lens = [rng.randint(*args.context) for _ in range(args.rows)]
+    meta, blocks = _decode_metadata(lens, engine.config.block_size, rng)
+    caches = engine.kv_format.allocate(len(layers), blocks, engine.config.block_size, cfg.num_kv_heads,
+                                       cfg.head_dim, torch.device("cpu"))
+    for cache in caches:  # values a model could hold; the allocation's zeros would do, but not as the model's do
+        if isinstance(cache, torch.Tensor):
+            cache.normal_()
+    q = torch.randn(args.rows, cfg.num_heads, cfg.head_dim).to(torch.bfloat16)
+    x = {p.weight.shape[1]: torch.randn(args.rows, p.weight.shape[1]).to(torch.bfloat16)
+         for p in _projections(layers[0])}
+    attention = [layer.self_attn.attn for layer in layers]
+    kv_bytes = sum(lens) * engine.kv_format.bytes_per_block(1, 1, cfg.num_kv_heads, cfg.head_dim)
+    weight_bytes = sum(p.weight.numel() * p.weight.element_size() for p in _projections(layers[0]))
+    flops = 2 * args.rows * sum(p.weight.numel() for p in _projections(layers[0]))
+
+    def attend(chosen):
+        return lambda: [attn.decode(q, cache, meta) for attn, cache in chosen]
+
+    def project(chosen):
+        return lambda: [p(x[p.weight.shape[1]]) for layer in chosen for p in _projections(layer)]
+
+    readings = {"attention, every layer": attend(list(zip(attention, caches, strict=True))),
+                "attention, one layer": attend([(attention[0], caches[0])] * len(layers)),
+                "projections, every layer": project(layers),
+                "projections, one layer": project([layers[0]] * len(layers))}
+    rounds = []
+    with torch.inference_mode():
+        for reading in readings.values():  # warm-up
+            reading()
+        for r in range(args.rounds):
+            figures = {"read_gbs": read_bandwidth_gbs(torch.device("cpu"))}
+            for name, reading in readings.items():
+                figures[name] = _seconds_per_pass(reading, args.repeats) / len(layers)
+            rounds.append(figures)
+            print(f"round {r + 1}/{args.rounds} done", flush=True)
+    return {"date": date.today().isoformat(), "model": args.model, "host": describe(), "rows": args.rows,
+            "context": list(args.context), "kv_bytes_per_layer": kv_bytes, "weight_bytes_per_layer": weight_bytes,
+            "flops_per_layer": flops, "rounds": rounds}
+
+
+def _summary(values: list[float]) -> str:
+    return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
+
+
+def format_table(r: dict) -> str:
+    rounds, host = r["rounds"], r["host"]
+    read = [f["read_gbs"] for f in rounds]
+    lines = [f"tokenfleet bench decode-parts — {r['model']} bf16, {r['rows']} decode rows of {r['context'][0]}-"
+             f"{r['context'][1]} tokens, {r['date']}, {len(rounds)} rounds",
+             f"host: {host['cpu']}, ISA {' '.join(host['isa'])}, {host['threads']} threads; read bandwidth "
+             f"{_summary(read)} GB/s", "",
+             "| part, per layer | ms | GB/s | of the read bandwidth | TFLOP/s |", "|---|---:|---:|---:|---:|"]
+    for name, nbytes, flops in (("attention", r["kv_bytes_per_layer"], None),
+                                ("projections", r["weight_bytes_per_layer"], r["flops_per_layer"])):
+        for where in ("every layer", "one layer"):
+            seconds = [f[f"{name}, {where}"] for f in rounds]
+            gbs = [nbytes / s / 1e9 for s in seconds]
+            share = [g / f["read_gbs"] for g, f in zip(gbs, rounds, strict=True)]
+            tflops = "" if flops is None else _summary([flops / s / 1e12 for s in seconds])
+            lines.append(f"| {name}, {where} | {_summary([s * 1e3 for s in seconds])} | {_summary(gbs)} | "
+                         f"{_summary([100 * s for s in share])} % | {tflops} |")
+    lines.append("")
+    lines.append("every layer: each layer's own cache or weights in turn, as a step reads them; one layer: the first "
+                 "layer's again and again (from the caches where they fit)")
+    return "\n".join(lines)
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    result = run(args)
+    return publish(result, format_table(result), args.json_path)
