@@ -8,7 +8,7 @@ exceed the L3) and one layer's again and again (from the caches). The first agai
 the same round says how near a step's memory-bound parts are to the roofline; the second, what they cost once the
 bytes are near. Rounds interleave the four readings; medians and spreads are reported.
 
-    tokenfleet bench decode-parts [--rows 112] [--context 160 460] [--rounds 5]
+    tokenfleet bench decode-parts [--rows 112] [--context 160 460] [--kv-cache-dtype int8] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rows", type=int, default=112, help="decode rows (running sequences) of the step")
     p.add_argument("--context", type=int, nargs=2, default=(160, 460), metavar=("MIN", "MAX"),
                    help="each sequence's context length, drawn uniformly")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"])
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--repeats", type=int, default=3, help="passes over the layers per reading")
     p.add_argument("--json", dest="json_path", default=None)
@@ -68,7 +69,8 @@ def run(args: argparse.Namespace) -> dict:
     from gpu_worker.engine import LLM
     from gpu_worker.engine.checkpoint import resolve_model_path
 
-    llm = LLM(str(resolve_model_path(args.model)), dtype="bfloat16", device="cpu", enable_prefix_caching=False)
+    llm = LLM(str(resolve_model_path(args.model)), dtype="bfloat16", device="cpu", enable_prefix_caching=False,
+              kv_cache_dtype=args.kv_cache_dtype)
     engine, cfg = llm.engine, llm.engine.model_config
     layers = engine.runner.model.layers
     rng = random.Random(0)
@@ -76,9 +78,12 @@ def run(args: argparse.Namespace) -> dict:
     meta, blocks = _decode_metadata(lens, engine.config.block_size, rng)
     caches = engine.kv_format.allocate(len(layers), blocks, engine.config.block_size, cfg.num_kv_heads,
                                        cfg.head_dim, torch.device("cpu"))
-    for cache in caches:  # values a model could hold; the allocation's zeros would do, but not as the model's do
+    for cache in caches:  # values as a model's: the allocation's zeros read no faster, but look nothing like them
         if isinstance(cache, torch.Tensor):
             cache.normal_()
+        else:
+            cache.data.random_(-127, 128)
+            cache.scale.uniform_(0.01, 0.1)
     q = torch.randn(args.rows, cfg.num_heads, cfg.head_dim).to(torch.bfloat16)
     x = {p.weight.shape[1]: torch.randn(args.rows, p.weight.shape[1]).to(torch.bfloat16)
          for p in _projections(layers[0])}
@@ -107,7 +112,8 @@ def run(args: argparse.Namespace) -> dict:
                 figures[name] = _seconds_per_pass(reading, args.repeats) / len(layers)
             rounds.append(figures)
             print(f"round {r + 1}/{args.rounds} done", flush=True)
-    return {"date": date.today().isoformat(), "model": args.model, "host": describe(), "rows": args.rows,
+    return {"date": date.today().isoformat(), "model": args.model, "kv_cache_dtype": args.kv_cache_dtype,
+            "host": describe(), "rows": args.rows,
             "context": list(args.context), "kv_bytes_per_layer": kv_bytes, "weight_bytes_per_layer": weight_bytes,
             "flops_per_layer": flops, "rounds": rounds}
 
@@ -119,8 +125,8 @@ def _summary(values: list[float]) -> str:
 def format_table(r: dict) -> str:
     rounds, host = r["rounds"], r["host"]
     read = [f["read_gbs"] for f in rounds]
-    lines = [f"tokenfleet bench decode-parts — {r['model']} bf16, {r['rows']} decode rows of {r['context'][0]}-"
-             f"{r['context'][1]} tokens, {r['date']}, {len(rounds)} rounds",
+    lines = [f"tokenfleet bench decode-parts — {r['model']} bf16, KV cache {r['kv_cache_dtype']}, {r['rows']} decode "
+             f"rows of {r['context'][0]}-{r['context'][1]} tokens, {r['date']}, {len(rounds)} rounds",
              f"host: {host['cpu']}, ISA {' '.join(host['isa'])}, {host['threads']} threads; read bandwidth "
              f"{_summary(read)} GB/s", "",
              "| part, per layer | ms | GB/s | of the read bandwidth | TFLOP/s |", "|---|---:|---:|---:|---:|"]

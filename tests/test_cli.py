@@ -103,13 +103,16 @@ def test_bench_deterministic_reports_each_workloads_cost_per_round(make_checkpoi
     assert "prefill, 40 tokens" in proc.stdout
 
 
-def test_bench_decode_parts_reports_attention_and_projections_from_memory_and_from_cache(model_dir, tmp_path):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_bench_decode_parts_reports_attention_and_projections_from_memory_and_from_cache(model_dir, tmp_path,
+                                                                                          kv_cache_dtype):
     out = tmp_path / "parts.json"
     proc = _tokenfleet("bench", "decode-parts", "--model", model_dir, "--rows", "4", "--context", "20", "40",
-                       "--rounds", "2", "--repeats", "1", "--json", str(out))
+                       "--kv-cache-dtype", kv_cache_dtype, "--rounds", "2", "--repeats", "1", "--json", str(out))
     assert proc.returncode == 0, proc.stderr
     figures = json.loads(out.read_text())
-    assert len(figures["rounds"]) == 2 and figures["kv_bytes_per_layer"] > 0 < figures["weight_bytes_per_layer"]
+    assert figures["kv_cache_dtype"] == kv_cache_dtype and len(figures["rounds"]) == 2
+    assert figures["kv_bytes_per_layer"] > 0 < figures["weight_bytes_per_layer"]
     readings = ("attention, every layer", "attention, one layer", "projections, every layer",
                 "projections, one layer")
     assert all(rnd["read_gbs"] > 0 and all(rnd[r] > 0 for r in readings) for rnd in figures["rounds"])

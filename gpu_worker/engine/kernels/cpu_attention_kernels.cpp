@@ -162,10 +162,28 @@ struct Int8Rows {
   static __m512 int8x16(const int8_t* p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   }
+  // The key row converted once for all G heads, in registers for the head dims models have; the products and
+  // their order as before. Converted once per head, it had made the kernel compute-bound: 112 sequences of 160-460
+  // tokens on an AMX Xeon VM, 2.28 -> 2.00 ms a layer from DRAM, 1.96 -> 1.64 in cache, the output unchanged.
   void dots(const uint16_t*, const float* q, int64_t r, int64_t G, __m512* out) const {
+    switch (D) {
+      case 64: dots_of<4>(q, k + r * D, G, out); break;
+      case 128: dots_of<8>(q, k + r * D, G, out); break;
+      default:
+        for (int64_t g = 0; g < G; g++) {
+          __m512 acc = _mm512_setzero_ps();
+          for (int64_t d = 0; d < D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + d), int8x16(k + r * D + d), acc);
+          out[16 * g] = acc;
+        }
+    }
+  }
+  template <int kChunks>
+  static void dots_of(const float* q, const int8_t* key, int64_t G, __m512* out) {
+    __m512 row[kChunks];
+    for (int c = 0; c < kChunks; c++) row[c] = int8x16(key + 16 * c);
     for (int64_t g = 0; g < G; g++) {
       __m512 acc = _mm512_setzero_ps();
-      for (int64_t d = 0; d < D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + d), int8x16(k + r * D + d), acc);
+      for (int c = 0; c < kChunks; c++) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + (g * kChunks + c) * 16), row[c], acc);
       out[16 * g] = acc;
     }
   }
