@@ -113,9 +113,8 @@ def run(args: argparse.Namespace) -> dict:
             rounds.append(figures)
             print(f"round {r + 1}/{args.rounds} done", flush=True)
     return {"date": date.today().isoformat(), "model": args.model, "kv_cache_dtype": args.kv_cache_dtype,
-            "host": describe(), "rows": args.rows,
-            "context": list(args.context), "kv_bytes_per_layer": kv_bytes, "weight_bytes_per_layer": weight_bytes,
-            "flops_per_layer": flops, "rounds": rounds}
+            "host": describe(), "rows": args.rows, "context": list(args.context), "kv_bytes_per_layer": kv_bytes,
+            "weight_bytes_per_layer": weight_bytes, "flops_per_layer": flops, "rounds": rounds}
 
 
 def _summary(values: list[float]) -> str:
