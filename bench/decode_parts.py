@@ -47,11 +47,7 @@ def _decode_metadata(context_lens: list[int], block_size: int, rng: random.Rando
     for n in need:
         tables.append(pool[at:at + n])
         at += n
-    width = max(need)
-    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables])
-    lens = torch.tensor(context_lens)
-    last = torch.tensor([t[(n - 1) // block_size] for t, n in zip(tables, context_lens, strict=True)])
-    return AttentionMetadata(last, (lens - 1) % block_size, block_size, context_lens, padded, lens, []), sum(need)
+    return AttentionMetadata.decode_rows(tables, context_lens, block_size), sum(need)
 
 
 def _projections(layer) -> list:

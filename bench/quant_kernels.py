@@ -71,10 +71,8 @@ def attention(device: torch.device, rounds: int, batch: int = 32, context: int =
     from gpu_worker.engine.kv_cache_format import DenseKVFormat, ScaledKVFormat, quantize_per_row
 
     blocks_per_seq = context // block_size
-    tables = torch.arange(batch * blocks_per_seq, device=device).view(batch, blocks_per_seq)
-    lens = torch.full((batch,), context, device=device)
-    meta = AttentionMetadata(torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long), block_size,
-                             [context] * batch, tables, lens, [])
+    tables = torch.arange(batch * blocks_per_seq).view(batch, blocks_per_seq).tolist()
+    meta = AttentionMetadata.decode_rows(tables, [context] * batch, block_size, device)
     dense = torch.randn(2, batch * blocks_per_seq, kv_heads, block_size, head_dim, device=device,
                         dtype=torch.bfloat16)
     q = torch.randn(batch, heads, head_dim, device=device, dtype=torch.bfloat16)

@@ -27,12 +27,7 @@ def decode_metadata(context_lens: list[int], num_blocks: int, block_size: int) -
         need = -(-length // block_size)
         tables.append(blocks[:need])
         blocks = blocks[need:]
-    width = max(len(t) for t in tables)
-    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables])
-    # Each row's new token is its context's last: written there before attention reads it.
-    slot_blocks = torch.tensor([t[(length - 1) // block_size] for t, length in zip(tables, context_lens, strict=True)])
-    lens = torch.tensor(context_lens)
-    return AttentionMetadata(slot_blocks, (lens - 1) % block_size, block_size, context_lens, padded, lens, [])
+    return AttentionMetadata.decode_rows(tables, context_lens, block_size)
 
 
 def mixed_step(decode_lens: list[int], chunks: list[tuple[int, int]], kv_cache: torch.Tensor,

@@ -97,6 +97,19 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None  # [num_decodes]
     prefills: list[PrefillChunk]
 
+    @classmethod
+    def decode_rows(cls, tables: list[list[int]], context_lens: list[int], block_size: int,
+                    device: torch.device | str = "cpu") -> AttentionMetadata:
+        """A decode-only step's: row i attends over its context_lens[i] tokens through block table tables[i], its
+        new token the context's last (written there before attention reads it). What kernel tests and benchmarks
+        run a layer's attention on, without a scheduler."""
+        width = max(len(t) for t in tables)
+        padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=device)
+        lens = torch.tensor(context_lens, device=device)
+        slot_blocks = torch.tensor([t[(n - 1) // block_size] for t, n in zip(tables, context_lens, strict=True)],
+                                   device=device)
+        return cls(slot_blocks, (lens - 1) % block_size, block_size, list(context_lens), padded, lens, [])
+
     @property
     def num_decodes(self) -> int:
         return len(self.decode_context_list)
