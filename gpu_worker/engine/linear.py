@@ -14,13 +14,14 @@ do not depend on one another (`RowInvariantBf16LinearKernel`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .kernels import cpu_kernels, quant_cpu_kernels
+from .kernels import cpu_kernels, cpu_vendor, quant_cpu_kernels
 from .quantization.kernels import quantized_linear_kernel
 from .quantization.weights import QuantizedWeight
 
@@ -29,6 +30,25 @@ PACKING_BATCH_HINT = 128
 # Rows up to which `gemv_bf16` (weights read once for all rows) beats oneDNN's packed matmul: batch-1 decode, and a
 # decode step scoring 4 guesses.
 GEMV_ROWS = 5
+
+
+@dataclasses.dataclass(frozen=True)
+class GemvPlan:
+    """How `gemv_bf16` reads each thread's share of the weight rows: as `streams` sequential streams, a row from
+    each in turn, asking for each stream's row `prefetch_rows` ahead as it starts on one (0: the hardware prefetcher
+    alone). The outputs are the same bits whatever the plan."""
+
+    streams: int
+    prefetch_rows: int
+
+    @staticmethod
+    def for_cpu(vendor: str) -> GemvPlan:
+        """Measured per CPU family, tokenfleet-large's batch-1 GEMVs (200 MB): on an AMX Xeon VM four streams read
+        96 % of the bandwidth unaided; on a Zen 5 VM two streams with the rows two ahead asked for read 1.2-1.3x
+        faster than those four."""
+        if vendor == "AuthenticAMD":
+            return GemvPlan(streams=2, prefetch_rows=2)
+        return GemvPlan(streams=4, prefetch_rows=0)
 
 
 class TorchLinearKernel:
@@ -40,10 +60,12 @@ class OneDnnPackedLinearKernel:
     def __init__(self, weight: torch.Tensor):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACKING_BATCH_HINT)
         self.gemv = cpu_kernels() if weight.shape[1] % 32 == 0 else None
+        self.gemv_plan = GemvPlan.for_cpu(cpu_vendor())
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.gemv is not None and x.shape[0] <= GEMV_ROWS and bias is None:
-            return self.gemv.gemv_bf16(x.contiguous(), weight)
+            plan = self.gemv_plan
+            return self.gemv.gemv_bf16(x.contiguous(), weight, plan.streams, plan.prefetch_rows)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
 
     @staticmethod

@@ -111,6 +111,9 @@ def kernel_summary(model: Transformer) -> str:
     attention = Counter(type(layer.self_attn.attn).__name__ for layer in model.layers)
     summary = "; ".join(f"{what}: " + ", ".join(f"{name} x{n}" for name, n in found.items())
                         for what, found in (("linear", linears), ("attention", attention)))
+    plans = {m.kernel.gemv_plan for m in model.modules() if isinstance(m, Linear) and hasattr(m.kernel, "gemv_plan")}
+    summary += "".join(f"; bf16 GEMVs: {p.streams} streams a thread, {p.prefetch_rows} rows ahead prefetched"
+                       for p in plans)
     if next(model.parameters()).device.type != "cpu":
         return summary
     native = bf16_kernels()

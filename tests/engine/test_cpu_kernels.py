@@ -26,10 +26,12 @@ from gpu_worker.engine.kernels import (
     cpu_has_avx512_bf16,
     cpu_kernels,
     cpu_model,
+    cpu_vendor,
     quant_cpu_kernels,
 )
 from gpu_worker.engine.kv_cache_format import CpuInt8PagedAttention, DenseKVFormat, ScaledKVFormat
 from gpu_worker.engine.linear import (
+    GemvPlan,
     Linear,
     OneDnnPackedLinearKernel,
     RowInvariantBf16LinearKernel,
@@ -53,6 +55,9 @@ def test_native_kernels_build_on_this_cpu():
     assert cpu_kernels() is not None, "gpu_worker/engine/kernels/cpu_kernels.cpp failed to build"
 
 
+GEMV_PLANS = [GemvPlan.for_cpu("GenuineIntel"), GemvPlan.for_cpu("AuthenticAMD"), GemvPlan(1, 0), GemvPlan(3, 5)]
+
+
 @needs_avx512_bf16
 @pytest.mark.parametrize("rows", [1, 2, 5])
 def test_few_row_gemv_matches_the_reference(rows):
@@ -60,7 +65,26 @@ def test_few_row_gemv_matches_the_reference(rows):
     for n, k in [(1280, 768), (7, 64), (32000, 256)]:
         w = torch.randn(n, k, dtype=torch.bfloat16)
         x = torch.randn(rows, k, dtype=torch.bfloat16)
-        _assert_close_in_bf16(cpu_kernels().gemv_bf16(x, w), F.linear(x.float(), w.float()))
+        plan = GemvPlan.for_cpu(cpu_vendor())
+        _assert_close_in_bf16(cpu_kernels().gemv_bf16(x, w, plan.streams, plan.prefetch_rows),
+                              F.linear(x.float(), w.float()))
+
+
+@needs_avx512_bf16
+@pytest.mark.parametrize("rows", [1, 3])
+def test_every_gemv_plan_gives_the_same_bits(rows):
+    torch.manual_seed(rows)
+    for n, k in [(1280, 768), (7, 64), (2, 32)]:  # down to fewer rows than threads times streams
+        w = torch.randn(n, k, dtype=torch.bfloat16)
+        x = torch.randn(rows, k, dtype=torch.bfloat16)
+        first, *others = [cpu_kernels().gemv_bf16(x, w, p.streams, p.prefetch_rows) for p in GEMV_PLANS]
+        for other in others:
+            assert torch.equal(other, first)
+
+
+def test_the_gemv_plan_is_chosen_by_cpu_vendor():
+    assert GemvPlan.for_cpu("AuthenticAMD") == GemvPlan(streams=2, prefetch_rows=2)
+    assert GemvPlan.for_cpu("GenuineIntel") == GemvPlan(streams=4, prefetch_rows=0)
 
 
 @needs_avx512_bf16
@@ -125,6 +149,15 @@ def test_the_engine_logs_the_cpu_and_the_kernels_it_chose(make_checkpoint, caplo
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("kernels:"))
     assert cpu_model() in line and f"{torch.get_num_threads()} threads" in line
     assert "linear: TorchLinearKernel x" in line and "attention: TorchPagedAttention x" in line
+
+
+@pytest.mark.skipif(not onednn_packs_bf16(), reason="bf16 weights are packed for oneDNN only with native bf16")
+def test_the_engine_logs_how_its_bf16_gemvs_read_the_weights(make_checkpoint, caplog):
+    with caplog.at_level(logging.INFO, logger="gpu_worker.engine.llm_engine"):
+        LLM(str(make_checkpoint("llama")), dtype="bfloat16")
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("kernels:"))
+    plan = GemvPlan.for_cpu(cpu_vendor())
+    assert f"bf16 GEMVs: {plan.streams} streams a thread, {plan.prefetch_rows} rows ahead prefetched" in line
 
 
 def test_float32_layers_keep_the_reference_kernel():

@@ -39,13 +39,23 @@ def cpu_isa() -> list[str]:
     return [isa for isa in KERNEL_ISAS if isa in cpu_flags()]
 
 
-@functools.cache
 def cpu_model() -> str:
+    return _cpuinfo_field("model name") or "unknown CPU"
+
+
+def cpu_vendor() -> str:
+    """"GenuineIntel", "AuthenticAMD", ... ("" where /proc/cpuinfo does not say)."""
+    return _cpuinfo_field("vendor_id")
+
+
+@functools.cache
+def _cpuinfo_field(name: str) -> str:
+    """The first CPU's `name` in /proc/cpuinfo, or ""."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        return "unknown CPU"
-    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "unknown CPU")
+        return ""
+    return next((line.split(":", 1)[1].strip() for line in lines if line.split(":", 1)[0].strip() == name), "")
 
 
 @functools.cache

@@ -43,48 +43,58 @@ static inline void rows_dot_bf16(const uint16_t* x, const uint16_t* w, int64_t K
   for (int m = 0; m < M; m++) y[m * N] = to_bf16(_mm512_reduce_add_ps(acc[m]));
 }
 
-// Each thread takes one contiguous range of the N weight rows and reads it as kStreams sequential streams, a row
-// from each in turn: the L2 streamer runs ahead on every one of them. With one stream a core (each thread's range
-// front to back) the 49 GEMVs of tokenfleet-large's batch-1 decode (200 MB) read 78 % of the bandwidth on an AMX
-// Xeon VM; with 2, 4 and 8 streams 91, 96 and 94 % (12.2 -> 9.9 ms a token's GEMVs at four).
-constexpr int64_t kStreams = 4;
-
+// Each thread takes one contiguous range of the N weight rows and reads it as `streams` sequential streams, a row
+// from each in turn, asking for each stream's row `prefetch_rows` ahead (0: none) as it starts on a row. The
+// caller picks both by CPU (linear.py's GemvPlan): on an AMX Xeon VM the L2 streamer ran ahead on four streams
+// without help (the 49 GEMVs of tokenfleet-large's batch-1 decode, 200 MB, read 78 % of the bandwidth with one
+// stream a thread, 96 % with four); on a Zen 5 VM those four streams read 1.2-1.3x slower than two streams with
+// the rows two ahead asked for (batch-1 decode +24 %). The plan changes which rows a thread reads when, never a
+// row's sum.
 template <typename F>
-static void for_rows_in_streams(int64_t N, F&& row) {
+static void for_rows_in_streams(int64_t N, int64_t row_bytes, const uint16_t* w, int64_t streams,
+                                int64_t prefetch_rows, F&& row) {
 #pragma omp parallel
   {
     const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
     const int64_t first = N * t / threads, last = N * (t + 1) / threads;
-    const int64_t part = (last - first + kStreams - 1) / kStreams;
+    const int64_t part = (last - first + streams - 1) / streams;
+    const auto* bytes = reinterpret_cast<const char*>(w);
     for (int64_t i = 0; i < part; i++)
-      for (int64_t s = 0; s < kStreams; s++)
-        if (first + s * part + i < last) row(first + s * part + i);
+      for (int64_t s = 0; s < streams; s++) {
+        const int64_t n = first + s * part + i;
+        if (n >= last) continue;
+        if (prefetch_rows && i + prefetch_rows < part && n + prefetch_rows < last)
+          for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(bytes + (n + prefetch_rows) * row_bytes + b, _MM_HINT_T0);
+        row(n);
+      }
   }
 }
 
 template <int M>
-static void gemv_rows_bf16(const uint16_t* xp, const uint16_t* wp, uint16_t* yp, int64_t N, int64_t K) {
-  for_rows_in_streams(N, [&](int64_t n) {
+static void gemv_rows_bf16(const uint16_t* xp, const uint16_t* wp, uint16_t* yp, int64_t N, int64_t K,
+                           int64_t streams, int64_t prefetch_rows) {
+  for_rows_in_streams(N, K * 2, wp, streams, prefetch_rows, [&](int64_t n) {
     if constexpr (M == 1) yp[n] = row_dot_bf16(xp, wp + n * K, K);
     else rows_dot_bf16<M>(xp, wp + n * K, K, yp + n, N);
   });
 }
 
-torch::Tensor gemv_bf16(const torch::Tensor& x, const torch::Tensor& w) {
+torch::Tensor gemv_bf16(const torch::Tensor& x, const torch::Tensor& w, int64_t streams, int64_t prefetch_rows) {
   TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kGemvRows && x.is_contiguous(),
               "x must be [M, K] contiguous, 1 <= M <= ", kGemvRows);
   TORCH_CHECK(w.is_contiguous() && w.size(1) == x.size(1) && w.size(1) % 32 == 0, "w must be [N, K], K % 32 == 0");
+  TORCH_CHECK(streams >= 1 && prefetch_rows >= 0, "streams >= 1, prefetch_rows >= 0");
   const int64_t M = x.size(0), K = w.size(1), N = w.size(0);
   auto y = torch::empty({M, N}, x.options());
   const auto* xp = static_cast<const uint16_t*>(x.data_ptr());
   const auto* wp = static_cast<const uint16_t*>(w.data_ptr());
   auto* yp = static_cast<uint16_t*>(y.data_ptr());
   switch (M) {
-    case 1: gemv_rows_bf16<1>(xp, wp, yp, N, K); break;
-    case 2: gemv_rows_bf16<2>(xp, wp, yp, N, K); break;
-    case 3: gemv_rows_bf16<3>(xp, wp, yp, N, K); break;
-    case 4: gemv_rows_bf16<4>(xp, wp, yp, N, K); break;
-    default: gemv_rows_bf16<5>(xp, wp, yp, N, K); break;
+    case 1: gemv_rows_bf16<1>(xp, wp, yp, N, K, streams, prefetch_rows); break;
+    case 2: gemv_rows_bf16<2>(xp, wp, yp, N, K, streams, prefetch_rows); break;
+    case 3: gemv_rows_bf16<3>(xp, wp, yp, N, K, streams, prefetch_rows); break;
+    case 4: gemv_rows_bf16<4>(xp, wp, yp, N, K, streams, prefetch_rows); break;
+    default: gemv_rows_bf16<5>(xp, wp, yp, N, K, streams, prefetch_rows); break;
   }
   return y;
 }
@@ -99,7 +109,7 @@ static inline void tile_dot_bf16(const uint16_t* x, const uint16_t* w, int64_t K
   static_assert(MR * NR <= 16);
   __m512 acc[16];
   for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
-  if constexpr (MR == 1) {  // one row of x (a decode): rows of w one after another, one stream as gemv_bf16 reads
+  if constexpr (MR == 1) {  // one row of x (a decode): rows of w one after another, whole rows as gemv_bf16 reads
     for (int n = 0; n < NR; n++)
       for (int64_t k = 0; k < K; k += 32)
         acc[n] = _mm512_dpbf16_ps(acc[n], (__m512bh)_mm512_loadu_si512(w + n * K + k),
