@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "cpu_kernels.h"
+#include "decode_rows.h"
 #include "paged_kv.h"
 #include "sum16.h"
 #ifdef TOKENFLEET_AMX
@@ -12,213 +13,14 @@
 
 namespace {
 
-// Tokens ahead to prefetch: each token's key (or value) row lies in a scattered block, where the
-// hardware prefetcher loses the stream; prefetching both 64-byte lines of a row halved the kernel's time.
-constexpr int64_t kPrefetchAhead = 16;
 constexpr int64_t kL2Ahead = 128;  // tokens ahead to fetch into L2 (see paged_decode)
 constexpr int64_t kPageAhead = 64;  // tokens ahead to touch each page of keys and values (see paged_decode)
 constexpr int64_t kPageBytes = 4096;
 
-// Every 64-byte line of [p, p + bytes) into L1 (T0), or into L2 (T1).
-template <int kHint = _MM_HINT_T0>
-inline void prefetch(const void* p, int64_t bytes) {
-  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(static_cast<const char*>(p) + b, static_cast<_mm_hint>(kHint));
-}
-
-// A cache's token-head rows as attention reads them (row r: [D] values at r * D). `dots` are a head group's
-// products with a key row, each a vector still to be summed, times `key_scale`; `attend_values` sums the value rows
-// weighted by the group's probabilities.
-struct Bf16Rows {
-  static constexpr int64_t kBytes = 2;
-  const uint16_t* k;
-  const uint16_t* v;
-  int64_t D;
-
-  // out[16 g] = the G query heads' (q: [G][D]) products with key row r, the row loaded once for all of them:
-  // loaded once per head, in a loop over a runtime D, the score pass had read each key row G times (12/4 heads of
-  // 64, 112 sequences of 160-460 tokens on a Zen 5: 0.92 -> 0.76 ms a layer in cache, 1.27 -> 1.17 from DRAM).
-  void dots(const uint16_t* q, const float*, int64_t r, int64_t G, __m512* out) const {
-    const uint16_t* key = k + r * D;
-    switch (D) {
-      case 64: dots_of<2>(q, key, G, out); break;
-      case 128: dots_of<4>(q, key, G, out); break;
-      default:
-        for (int64_t g = 0; g < G; g++) {
-          __m512 acc = _mm512_setzero_ps();
-          for (int64_t d = 0; d < D; d += 32)
-            acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q + g * D + d), (__m512bh)_mm512_loadu_si512(key + d));
-          out[16 * g] = acc;
-        }
-    }
-  }
-  // The same with the row's kChunks vectors of 32 dims held in registers across the heads.
-  template <int kChunks>
-  static void dots_of(const uint16_t* q, const uint16_t* key, int64_t G, __m512* out) {
-    __m512bh row[kChunks];
-    for (int c = 0; c < kChunks; c++) row[c] = (__m512bh)_mm512_loadu_si512(key + 32 * c);
-    for (int64_t g = 0; g < G; g++) {
-      __m512 acc = _mm512_setzero_ps();
-      for (int c = 0; c < kChunks; c++)
-        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q + (g * kChunks + c) * 32), row[c]);
-      out[16 * g] = acc;
-    }
-  }
-  float key_scale(int64_t) const { return 1.0f; }
-
-  // acc[g * D + d] = sum over t < L of p[g][t] * v[row t][d] for G heads' probabilities p (fp32, rows of L): two
-  // tokens per dpbf16, each pair of value rows interleaved (unpack) against a pair of probabilities rounded to bf16,
-  // as torch's CPU flash attention rounds them for its product with V: half the instructions of converting and
-  // multiplying each value in fp32. Heads go up to four at a time, their count a template argument, so that the
-  // accumulators stay in registers: indexed by a runtime head count they lived on the stack, a load and a store
-  // around every dpbf16 (100 sequences of 32-700 tokens, context in cache: 1.05 -> 0.88 ms a layer on a Sapphire
-  // Rapids VM).
-  void attend_values(const float* p, int64_t L, int64_t G, const int64_t* token_rows, float* acc,
-                     std::vector<uint16_t>& pairs) const {
-    const int64_t L2 = (L + 1) & ~int64_t{1};  // an odd count's last token pairs with a zero probability
-    pairs.assign(G * L2, 0);
-    for (int64_t g = 0; g < G; g++) {
-      int64_t t = 0;
-      for (; t + 16 <= L; t += 16)  // round to nearest even, as to_bf16
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pairs.data() + g * L2 + t),
-                            (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p + g * L + t)));
-      for (; t < L; t++) pairs[g * L2 + t] = to_bf16(p[g * L + t]);
-    }
-    for (int64_t g0 = 0; g0 < G; g0 += 4)
-      for (int64_t d0 = 0; d0 < D; d0 += 64) {
-        if (D - d0 >= 64)
-          attend_heads<2>(pairs.data() + g0 * L2, L2, L, token_rows, d0, acc + g0 * D, std::min<int64_t>(4, G - g0));
-        else
-          attend_heads<1>(pairs.data() + g0 * L2, L2, L, token_rows, d0, acc + g0 * D, std::min<int64_t>(4, G - g0));
-      }
-  }
-
-  // A head count known at compile time: padding three heads (GQA 12/4) to four cost a quarter more products.
-  template <int kHalves>
-  void attend_heads(const uint16_t* pairs, int64_t L2, int64_t L, const int64_t* token_rows, int64_t d0, float* acc,
-                    int64_t heads) const {
-    switch (heads) {
-      case 1: attend_columns<kHalves, 1>(pairs, L2, L, token_rows, d0, acc); break;
-      case 2: attend_columns<kHalves, 2>(pairs, L2, L, token_rows, d0, acc); break;
-      case 3: attend_columns<kHalves, 3>(pairs, L2, L, token_rows, d0, acc); break;
-      default: attend_columns<kHalves, 4>(pairs, L2, L, token_rows, d0, acc); break;
-    }
-  }
-
-  // kHeads heads' sums over columns [d0, d0 + 32 kHalves) into acc's first kHeads rows.
-  template <int kHalves, int kHeads>
-  void attend_columns(const uint16_t* pairs, int64_t L2, int64_t L, const int64_t* token_rows, int64_t d0,
-                      float* acc) const {
-    __m512 a[kHeads][2 * kHalves];  // [head][low and high pairs of each 32 columns]
-    for (int g = 0; g < kHeads; g++)
-      for (int c = 0; c < 2 * kHalves; c++) a[g][c] = _mm512_setzero_ps();
-    for (int64_t t = 0; t < L; t += 2) {
-      const int64_t r0 = token_rows[t], r1 = t + 1 < L ? token_rows[t + 1] : r0;
-      if (t + kPrefetchAhead + 1 < L) {
-        prefetch(v + token_rows[t + kPrefetchAhead] * D + d0, 64 * kHalves);
-        prefetch(v + token_rows[t + kPrefetchAhead + 1] * D + d0, 64 * kHalves);
-      }
-      __m512bh lo[kHalves], hi[kHalves];
-      for (int h = 0; h < kHalves; h++) {
-        const __m512i x0 = _mm512_loadu_si512(v + r0 * D + d0 + 32 * h);
-        const __m512i x1 = _mm512_loadu_si512(v + r1 * D + d0 + 32 * h);
-        lo[h] = (__m512bh)_mm512_unpacklo_epi16(x0, x1);
-        hi[h] = (__m512bh)_mm512_unpackhi_epi16(x0, x1);
-      }
-      for (int g = 0; g < kHeads; g++) {
-        uint32_t pair;
-        std::memcpy(&pair, pairs + g * L2 + t, 4);
-        const __m512bh pp = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
-        for (int h = 0; h < kHalves; h++) {
-          a[g][2 * h] = _mm512_dpbf16_ps(a[g][2 * h], lo[h], pp);
-          a[g][2 * h + 1] = _mm512_dpbf16_ps(a[g][2 * h + 1], hi[h], pp);
-        }
-      }
-    }
-    // Lane 4k + i of the low pairs is column 8k + i of its 32, of the high pairs column 8k + 4 + i.
-    for (int64_t g = 0; g < kHeads; g++)
-      for (int h = 0; h < kHalves; h++) {
-        alignas(64) float low[16], high[16];
-        _mm512_store_ps(low, a[g][2 * h]);
-        _mm512_store_ps(high, a[g][2 * h + 1]);
-        float* out = acc + g * D + d0 + 32 * h;
-        for (int64_t k = 0; k < 4; k++)
-          for (int64_t i = 0; i < 4; i++) {
-            out[8 * k + i] = low[4 * k + i];
-            out[8 * k + 4 + i] = high[4 * k + i];
-          }
-      }
-  }
-};
-
-// int8 rows dequantized in registers (the query in fp32 times the int8 key, then the row's scale), so the
-// context is read at one byte a value and never copied: the torch reference gathers and dequantizes it first.
-struct Int8Rows {
-  static constexpr int64_t kBytes = 1;
-  const int8_t* k;
-  const int8_t* v;
-  const uint16_t* k_scale;
-  const uint16_t* v_scale;
-  int64_t D;
-  static __m512 int8x16(const int8_t* p) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-  }
-  // The key row converted once for all G heads, in registers for the head dims models have; the products and
-  // their order as before. Converted once per head, it had made the kernel compute-bound: 112 sequences of 160-460
-  // tokens on an AMX Xeon VM, 2.28 -> 2.00 ms a layer from DRAM, 1.96 -> 1.64 in cache, the output unchanged.
-  void dots(const uint16_t*, const float* q, int64_t r, int64_t G, __m512* out) const {
-    switch (D) {
-      case 64: dots_of<4>(q, k + r * D, G, out); break;
-      case 128: dots_of<8>(q, k + r * D, G, out); break;
-      default:
-        for (int64_t g = 0; g < G; g++) {
-          __m512 acc = _mm512_setzero_ps();
-          for (int64_t d = 0; d < D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + d), int8x16(k + r * D + d), acc);
-          out[16 * g] = acc;
-        }
-    }
-  }
-  template <int kChunks>
-  static void dots_of(const float* q, const int8_t* key, int64_t G, __m512* out) {
-    __m512 row[kChunks];
-    for (int c = 0; c < kChunks; c++) row[c] = int8x16(key + 16 * c);
-    for (int64_t g = 0; g < G; g++) {
-      __m512 acc = _mm512_setzero_ps();
-      for (int c = 0; c < kChunks; c++) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + (g * kChunks + c) * 16), row[c], acc);
-      out[16 * g] = acc;
-    }
-  }
-  float key_scale(int64_t r) const { return bf16_to_float(k_scale[r]); }
-
-  // acc[g * D + d] = sum over t < L of p[g][t] * v[row t][d] * scale[row t]: 64 columns at a time, each value
-  // converted once per token, accumulated in registers for 4 heads.
-  void attend_values(const float* p, int64_t L, int64_t G, const int64_t* token_rows, float* acc,
-                     std::vector<uint16_t>&) const {
-    for (int64_t g0 = 0; g0 < G; g0 += 4) {
-      const int64_t gn = std::min<int64_t>(4, G - g0);
-      for (int64_t d0 = 0; d0 < D; d0 += 64) {
-        const int64_t cn = std::min<int64_t>(4, (D - d0) / 16);
-        __m512 a[4][4];
-        for (int64_t g = 0; g < 4; g++)
-          for (int64_t c = 0; c < 4; c++) a[g][c] = _mm512_setzero_ps();
-        for (int64_t t = 0; t < L; t++) {
-          const int64_t r = token_rows[t];
-          if (t + kPrefetchAhead < L)
-            prefetch(reinterpret_cast<const char*>(v) + (token_rows[t + kPrefetchAhead] * D + d0) * kBytes,
-                     16 * cn * kBytes);
-          __m512 values[4];
-          for (int64_t c = 0; c < cn; c++) values[c] = int8x16(v + r * D + d0 + 16 * c);
-          const float vs = bf16_to_float(v_scale[r]);
-          for (int64_t g = 0; g < gn; g++) {
-            const __m512 weight = _mm512_set1_ps(p[(g0 + g) * L + t] * vs);
-            for (int64_t c = 0; c < cn; c++) a[g][c] = _mm512_fmadd_ps(weight, values[c], a[g][c]);
-          }
-        }
-        for (int64_t g = 0; g < gn; g++)
-          for (int64_t c = 0; c < cn; c++) _mm512_storeu_ps(acc + (g0 + g) * D + d0 + 16 * c, a[g][c]);
-      }
-    }
-  }
-};
+using decode_rows::Bf16Rows;
+using decode_rows::Int8Rows;
+using decode_rows::kPrefetchAhead;
+using decode_rows::prefetch;
 
 #ifdef TOKENFLEET_AMX
 // Scores on AMX (built where the CPU has it): a task's G query heads as B tiles 4.., one per 32 dims,
