@@ -67,6 +67,8 @@ BENCHMARKS = {
     "deterministic": ("bench.deterministic", "batch-invariant mode against the default kernels: decode and prefill"),
     "decode-parts": ("bench.decode_parts", "a large decode step's attention and projections against the read "
                                            "bandwidth, from DRAM and from the caches"),
+    "gemv": ("bench.gemv_plans", "the bf16 GEMV of 1-5 rows under each way of reading the weights, on a model's "
+                                 "weights"),
     "avx2": ("bench.avx2_path", "an AVX2-only host's native kernels against the torch path, kernels chosen as there"),
 }
 

@@ -1,0 +1,110 @@
+"""`tokenfleet bench gemv`: the bf16 GEMV under each way of reading the weights (`GemvPlan`), on a model's weights.
+
+A decode step of 1-5 rows (batch 1, or a step scoring speculative guesses) reads every weight once through
+`gemv_bf16`; how each thread walks its rows (streams a thread, rows prefetched ahead) decides how near the read
+bandwidth it gets, and differs by CPU family. Each reading runs every GEMV of the model once, as a step does (from
+DRAM where the weights exceed the L3); rounds rotate the plans' order, and each plan's speed is reported against
+the plan this CPU's vendor gets (`GemvPlan.for_cpu`) in the same round. Every plan's outputs are checked equal.
+
+    tokenfleet bench gemv [--rows 1,2,3,5] [--plans 4x0,2x2,1x2,2x1] [--rounds 12]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from datetime import date
+
+import torch
+
+from .host import describe, read_bandwidth_gbs
+from .report import publish
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="tokenfleet-large")
+    p.add_argument("--rows", default="1,2,3,5", help="rows of x per GEMV, comma-separated (at most 5)")
+    p.add_argument("--plans", default="4x0,2x2,1x2,2x1",
+                   help="plans as STREAMSxPREFETCH_ROWS, comma-separated; this CPU's own is always added")
+    p.add_argument("--rounds", type=int, default=12)
+    p.add_argument("--repeats", type=int, default=3, help="passes over the weights per reading")
+    p.add_argument("--json", dest="json_path", default=None)
+
+
+def _plans(spec: str, own) -> list:
+    from gpu_worker.engine.linear import GemvPlan
+
+    plans = [GemvPlan(*map(int, item.split("x"))) for item in spec.split(",") if item]
+    return [own] + [p for p in dict.fromkeys(plans) if p != own]
+
+
+def _label(plan) -> str:
+    return f"{plan.streams}x{plan.prefetch_rows}"
+
+
+def run(args: argparse.Namespace) -> dict:
+    from gpu_worker.engine import LLM
+    from gpu_worker.engine.checkpoint import resolve_model_path
+    from gpu_worker.engine.kernels import cpu_kernels, cpu_vendor
+    from gpu_worker.engine.linear import GemvPlan, Linear
+
+    kernels = cpu_kernels()
+    if kernels is None:
+        raise SystemExit("bench gemv: the bf16 GEMV needs a CPU with AVX512-BF16")
+    own = GemvPlan.for_cpu(cpu_vendor())
+    plans = _plans(args.plans, own)
+    llm = LLM(str(resolve_model_path(args.model)), dtype="bfloat16", device="cpu", enable_prefix_caching=False)
+    weights = [m.weight for m in llm.engine.runner.model.modules()
+               if isinstance(m, Linear) and m.weight is not None and m.weight.shape[1] % 32 == 0]
+    weight_bytes = sum(w.numel() * w.element_size() for w in weights)
+    result = {"date": date.today().isoformat(), "model": args.model, "host": describe(), "own_plan": _label(own),
+              "weight_bytes": weight_bytes, "rows": {}}
+    for rows in map(int, args.rows.split(",")):
+        x = {k: torch.randn(rows, k).to(torch.bfloat16) for k in {w.shape[1] for w in weights}}
+
+        def every_gemv(plan, x=x):
+            return [kernels.gemv_bf16(x[w.shape[1]], w, plan.streams, plan.prefetch_rows) for w in weights]
+
+        first = every_gemv(own)
+        for plan in plans[1:]:
+            if not all(torch.equal(a, b) for a, b in zip(first, every_gemv(plan), strict=True)):
+                raise RuntimeError(f"plan {_label(plan)} changed the GEMV's output at {rows} rows")
+        seconds: dict[str, list[float]] = {_label(p): [] for p in plans}
+        bandwidth = []
+        for r in range(args.rounds):
+            bandwidth.append(read_bandwidth_gbs(torch.device("cpu"), weight_bytes))
+            for plan in plans[r % len(plans):] + plans[:r % len(plans)]:
+                started = time.perf_counter()
+                for _ in range(args.repeats):
+                    every_gemv(plan)
+                seconds[_label(plan)].append((time.perf_counter() - started) / args.repeats)
+        result["rows"][str(rows)] = {"read_bandwidth_gbs": bandwidth, "seconds": seconds}
+        print(f"{rows} rows done", flush=True)
+    return result
+
+
+def format_table(r: dict) -> str:
+    own = r["own_plan"]
+    lines = [f"tokenfleet bench gemv — {r['model']}'s {r['weight_bytes'] / 1e6:.0f} MB of bf16 weights, every GEMV "
+             f"once a reading, {r['date']}",
+             f"host: {r['host']['cpu']}, ISA {' '.join(r['host']['isa'])}, {r['host']['threads']} threads; this CPU's "
+             f"plan {own} (streams a thread x rows prefetched ahead)", "",
+             "| rows | plan | GB/s (median) | of the read bandwidth | speed against this CPU's plan: median [min, max] "
+             "|",
+             "|---:|---|---:|---:|---|"]
+    for rows, f in r["rows"].items():
+        read = statistics.median(f["read_bandwidth_gbs"])
+        base = f["seconds"][own]
+        for label, secs in f["seconds"].items():
+            gbs = r["weight_bytes"] / statistics.median(secs) / 1e9
+            speed = [b / s for b, s in zip(base, secs, strict=True)]
+            mark = " (this CPU's)" if label == own else ""
+            lines.append(f"| {rows} | {label}{mark} | {gbs:.1f} | {100 * gbs / read:.0f} % | "
+                         f"{statistics.median(speed):.2f} [{min(speed):.2f}, {max(speed):.2f}] |")
+    return "\n".join(lines)
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    result = run(args)
+    return publish(result, format_table(result), args.json_path)
