@@ -110,10 +110,11 @@ class EngineSide:
             lambda _m, _args, hidden: chunks.append(model.logits(hidden).argmax(dim=-1).tolist()))
         found = []
         try:
-            for seq in sequences:
-                self.llm.generate([seq], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0))
-                found.append([t for chunk in chunks for t in chunk])
-                chunks.clear()
+            with self.llm.engine.runner.through_modules():
+                for seq in sequences:
+                    self.llm.generate([seq], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0))
+                    found.append([t for chunk in chunks for t in chunk])
+                    chunks.clear()
         finally:
             hook.remove()
         return found

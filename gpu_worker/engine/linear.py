@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -138,6 +139,12 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernel(x, self.weight, self.bias)
+
+    def bound(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """`forward` without the module's machinery: the weight bound, the kernel looked up at each call (packing
+        and quantizing swap it; a quantized kernel holds its own weight and ignores the one passed)."""
+        weight, bias = self.weight, self.bias
+        return lambda x: self.kernel(x, weight, bias)
 
     def forward_float32(self, x: torch.Tensor) -> torch.Tensor:
         """The product in float32 where the kernel computes it so anyway (the quantized GEMVs), else `forward`."""

@@ -2,9 +2,15 @@
 
 Inputs are flattened: all tokens of all scheduled sequences in one [T] vector with their positions;
 `AttentionMetadata` says which belong together. q/k/v and gate/up are fused into one matmul each.
+A layer's computation is `decoder_layer`, over its parts: the modules themselves (`forward`), or the same calls
+bound ahead of time (`Transformer.bound`, what the model runner serves with).
 """
 
 from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -39,17 +45,25 @@ class Embedding(nn.Embedding):
 
 
 class RMSNorm(nn.Module):
-    """Adds the pending residual first when given one: returns (normed, the residual stream after the add)."""
-
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            return ops.rms_norm(x, self.weight, self.eps), x
-        return ops.add_rms_norm(x, residual, self.weight, self.eps)
+        return rms_norm_step(self.weight, self.eps, x, residual)
+
+    def bound(self) -> Callable:
+        """`forward` with the weight bound, called without the module's machinery."""
+        return functools.partial(rms_norm_step, self.weight, self.eps)
+
+
+def rms_norm_step(weight: torch.Tensor, eps: float, x: torch.Tensor,
+                  residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Adds the pending residual first when given one: returns (normed, the residual stream after the add)."""
+    if residual is None:
+        return ops.rms_norm(x, weight, eps), x
+    return ops.add_rms_norm(x, residual, weight, eps)
 
 
 class Attention(nn.Module):
@@ -61,9 +75,6 @@ class Attention(nn.Module):
         # Rotary, the KV cache write and attention: one interface, whose CPU kernels fuse them for decode steps.
         self.attn = TorchPagedAttention(HeadLayout(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5))
 
-    def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
-        return self.o_proj(self.attn(self.qkv_proj(x), cos, sin, kv_cache, meta))
-
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
@@ -71,8 +82,27 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+
+class LayerParts(NamedTuple):
+    """What a decoder layer calls: its modules (`DecoderLayer.parts`), or those calls bound (`DecoderLayer.bound`)."""
+
+    input_layernorm: Callable
+    qkv_proj: Callable
+    attn: Callable
+    o_proj: Callable
+    post_attention_layernorm: Callable
+    gate_up_proj: Callable
+    act: Callable
+    down_proj: Callable
+
+
+def decoder_layer(p: LayerParts, x, residual, cos, sin, kv_cache,
+                  meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: the previous layer's MLP output (the embeddings for the first layer, with no residual yet).
+    Returns this layer's MLP output and the residual stream it is still to be added to."""
+    x, residual = p.input_layernorm(x, residual)
+    x, residual = p.post_attention_layernorm(p.o_proj(p.attn(p.qkv_proj(x), cos, sin, kv_cache, meta)), residual)
+    return p.down_proj(p.act(p.gate_up_proj(x))), residual
 
 
 class DecoderLayer(nn.Module):
@@ -84,11 +114,21 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x, residual, cos, sin, kv_cache, meta) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: the previous layer's MLP output (the embeddings for the first layer, with no residual yet).
-        Returns this layer's MLP output and the residual stream it is still to be added to."""
-        x, residual = self.input_layernorm(x, residual)
-        x, residual = self.post_attention_layernorm(self.self_attn(x, cos, sin, kv_cache, meta), residual)
-        return self.mlp(x), residual
+        return decoder_layer(self.parts(), x, residual, cos, sin, kv_cache, meta)
+
+    def parts(self) -> LayerParts:
+        a, m = self.self_attn, self.mlp
+        return LayerParts(self.input_layernorm, a.qkv_proj, a.attn, a.o_proj, self.post_attention_layernorm,
+                          m.gate_up_proj, ops.silu_and_mul, m.down_proj)
+
+    def bound(self) -> Callable:
+        """`forward` over parts bound ahead of time. The attention is looked up at each call, as each linear's
+        kernel is: engines install theirs after loading, and tests swap them."""
+        a, m = self.self_attn, self.mlp
+        parts = LayerParts(self.input_layernorm.bound(), a.qkv_proj.bound(), lambda *args: a.attn(*args),
+                           a.o_proj.bound(), self.post_attention_layernorm.bound(), m.gate_up_proj.bound(),
+                           ops.silu_and_mul, m.down_proj.bound())
+        return functools.partial(decoder_layer, parts)
 
 
 class Transformer(nn.Module):
@@ -104,12 +144,23 @@ class Transformer(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
         """Returns final hidden states [T, hidden]; `logits` projects only the rows that are sampled."""
+        return self.run(self.layers, self.norm, input_ids, positions, kv_caches, meta)
+
+    def bound(self) -> Callable:
+        """`forward` with every layer's and the final norm's calls bound ahead (`DecoderLayer.bound`): the same
+        kernels in the same order, without the modules' calls, parameter lookups and wrappers between them (a
+        batch-1 step's forward on tokenfleet-large spent ~0.35 ms of 3.8 in them on a Zen 5; bench/RESULTS.md).
+        No module's hooks run on this path."""
+        return functools.partial(self.run, [layer.bound() for layer in self.layers], self.norm.bound())
+
+    def run(self, layers: list[Callable], norm: Callable, input_ids: torch.Tensor, positions: torch.Tensor,
+            kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        for layer, kv_cache in zip(layers, kv_caches, strict=True):
             x, residual = layer(x, residual, cos, sin, kv_cache, meta)
-        return self.norm(x, residual)[0]
+        return norm(x, residual)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """In the model's dtype, or float32 where the LM head's kernel has them so at no cost: the sampler

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
 from .attention import AttentionMetadata, PrefillChunk
@@ -19,6 +22,7 @@ class ModelRunner:
     def __init__(self, model: Transformer, kv_caches: list, block_size: int, device: torch.device,
                  batch_invariant: bool = False, graphs: DecodeGraphs | NoDecodeGraphs | None = None):
         self.model = model
+        self.forward = model.bound()  # the model's forward with its calls bound (no module's hooks run)
         self.graphs = graphs or NoDecodeGraphs()
         self.device = device
         self.block_size = block_size
@@ -30,6 +34,15 @@ class ModelRunner:
         # or a recompute after preemption): a token then runs the same ops whatever else its step holds.
         self.attends_by_row = _every_chunk if batch_invariant else _decodes
 
+    @contextlib.contextmanager
+    def through_modules(self) -> Iterator[None]:
+        """Steps through the model's modules meanwhile, so that hooks registered on them run (calibration, tests)."""
+        bound, self.forward = self.forward, self.model
+        try:
+            yield
+        finally:
+            self.forward = bound
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> tuple[dict[int, list[SampledToken]], dict[int, PromptLogprobs]]:
         """The tokens sampled for each sequence whose chunk ends in a sample (one, or with guesses those kept and
@@ -40,7 +53,7 @@ class ModelRunner:
         if self.graphs.covers(meta):
             hidden = self.graphs.run(input_ids, positions, meta)
         else:
-            hidden = self.model(input_ids, positions, self.kv_caches, meta)
+            hidden = self.forward(input_ids, positions, self.kv_caches, meta)
         return self._sample(chunks, hidden), prompt_logprobs(self.model, chunks, hidden)
 
     def _sample(self, chunks: list[ScheduledChunk], hidden: torch.Tensor) -> dict[int, list[SampledToken]]:

@@ -85,7 +85,8 @@ def _calibration_inputs(llm: LLM, text: str) -> dict[str, torch.Tensor]:
         lambda _m, args, name=g.name: captured.setdefault(name, []).append(args[0].detach().clone()))
         for g in scale_groups(llm.engine.runner.model)]
     try:
-        llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=1))
+        with llm.engine.runner.through_modules():
+            llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=1))
     finally:
         for hook in hooks:
             hook.remove()
