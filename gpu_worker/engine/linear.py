@@ -44,9 +44,9 @@ class GemvPlan:
 
     @staticmethod
     def for_cpu(vendor: str) -> GemvPlan:
-        """Measured per CPU family, tokenfleet-large's batch-1 GEMVs (200 MB): on an AMX Xeon VM four streams read
-        96 % of the bandwidth unaided; on a Zen 5 VM two streams with the rows two ahead asked for read 1.2-1.3x
-        faster than those four."""
+        """Measured per CPU family on tokenfleet-large's GEMVs (200 MB; `tokenfleet bench gemv`): on an AMX Xeon VM
+        four streams read 96 % of the bandwidth unaided at one row; on a Zen 5 VM two streams with the rows two
+        ahead asked for read 87-94 % at 1-5 rows, where those four read 81 % at one row and 38 % at five."""
         if vendor == "AuthenticAMD":
             return GemvPlan(streams=2, prefetch_rows=2)
         return GemvPlan(streams=4, prefetch_rows=0)

@@ -47,9 +47,9 @@ static inline void rows_dot_bf16(const uint16_t* x, const uint16_t* w, int64_t K
 // from each in turn, asking for each stream's row `prefetch_rows` ahead (0: none) as it starts on a row. The
 // caller picks both by CPU (linear.py's GemvPlan): on an AMX Xeon VM the L2 streamer ran ahead on four streams
 // without help (the 49 GEMVs of tokenfleet-large's batch-1 decode, 200 MB, read 78 % of the bandwidth with one
-// stream a thread, 96 % with four); on a Zen 5 VM those four streams read 1.2-1.3x slower than two streams with
-// the rows two ahead asked for (batch-1 decode +24 %). The plan changes which rows a thread reads when, never a
-// row's sum.
+// stream a thread, 96 % with four); on a Zen 5 VM those four streams read 1.1-1.2x slower than two streams with
+// the rows two ahead asked for at 1-3 rows of x, 2.3x at 5 (batch-1 decode +15-24 %). The plan changes which rows
+// a thread reads when, never a row's sum.
 template <typename F>
 static void for_rows_in_streams(int64_t N, int64_t row_bytes, const uint16_t* w, int64_t streams,
                                 int64_t prefetch_rows, F&& row) {
