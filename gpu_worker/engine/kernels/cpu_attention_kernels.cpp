@@ -20,7 +20,6 @@ constexpr int64_t kPageBytes = 4096;
 using decode_rows::Bf16Rows;
 using decode_rows::Int8Rows;
 using decode_rows::kPrefetchAhead;
-using decode_rows::prefetch;
 
 #ifdef TOKENFLEET_AMX
 // Scores on AMX (built where the CPU has it): a task's G query heads as B tiles 4.., one per 32 dims,

@@ -64,7 +64,7 @@ static void for_rows_in_streams(int64_t N, int64_t row_bytes, const uint16_t* w,
         const int64_t n = first + s * part + i;
         if (n >= last) continue;
         if (prefetch_rows && i + prefetch_rows < part && n + prefetch_rows < last)
-          for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(bytes + (n + prefetch_rows) * row_bytes + b, _MM_HINT_T0);
+          prefetch(bytes + (n + prefetch_rows) * row_bytes, row_bytes);
         row(n);
       }
   }

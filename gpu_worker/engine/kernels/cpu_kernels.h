@@ -1,5 +1,6 @@
 // What the bf16 CPU kernels share (cpu_kernels.cpp, cpu_attention_kernels.cpp, built as one module):
-// bf16 conversions, a vectorized exp and softmax, and the attention kernels' declarations.
+// bf16 conversions, a vectorized exp and softmax, a range's software prefetch, and the attention kernels'
+// declarations.
 #pragma once
 #include <torch/extension.h>
 #include <immintrin.h>
@@ -12,6 +13,12 @@
 using elementwise::kMinParallelElements;
 
 using elementwise::to_bf16;
+
+// Every 64-byte line of [p, p + bytes) into L1 (T0), or into L2 (T1).
+template <int kHint = _MM_HINT_T0>
+inline void prefetch(const void* p, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(static_cast<const char*>(p) + b, static_cast<_mm_hint>(kHint));
+}
 
 // exp for 16 lanes (relative error < 2e-7): std::exp per score dominated the attention kernels.
 static inline __m512 exp16(__m512 x) { return elementwise::exp<Avx512>(x); }

@@ -17,12 +17,6 @@ namespace decode_rows {
 // hardware prefetcher loses the stream; prefetching both 64-byte lines of a row halved the kernel's time.
 constexpr int64_t kPrefetchAhead = 16;
 
-// Every 64-byte line of [p, p + bytes) into L1 (T0), or into L2 (T1).
-template <int kHint = _MM_HINT_T0>
-inline void prefetch(const void* p, int64_t bytes) {
-  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(static_cast<const char*>(p) + b, static_cast<_mm_hint>(kHint));
-}
-
 // A cache's token-head rows as attention reads them (row r: [D] values at r * D). `dots` are a head group's
 // products with a key row, each a vector still to be summed, times `key_scale`; `attend_values` sums the value rows
 // weighted by the group's probabilities.
