@@ -120,7 +120,7 @@ def test_bench_decode_parts_reports_attention_and_projections_from_memory_and_fr
 
 
 @pytest.mark.skipif(cpu_kernels() is None, reason="the bf16 GEMV needs AVX512-BF16")
-def test_bench_gemv_reports_every_plan_against_this_cpus_own(model_dir, tmp_path):
+def test_bench_gemv_reports_every_plan_against_the_engines_own(model_dir, tmp_path):
     out = tmp_path / "gemv.json"
     proc = _tokenfleet("bench", "gemv", "--model", model_dir, "--rows", "1,3", "--plans", "4x0,1x3", "--rounds", "2",
                        "--repeats", "1", "--json", str(out))
@@ -130,7 +130,7 @@ def test_bench_gemv_reports_every_plan_against_this_cpus_own(model_dir, tmp_path
     for reading in figures["rows"].values():
         assert {figures["own_plan"], "4x0", "1x3"} == set(reading["seconds"])
         assert all(len(s) == 2 and min(s) > 0 for s in reading["seconds"].values())
-    assert f"| 3 | {figures['own_plan']} (this CPU's) |" in proc.stdout
+    assert f"| 3 | {figures['own_plan']} (the engine's) |" in proc.stdout
 
 
 def test_bench_prefix_reports_ttft_with_caching_on_and_off(model_dir, tmp_path):

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .kernels import cpu_kernels, cpu_vendor, quant_cpu_kernels
+from .kernels import cpu_kernels, quant_cpu_kernels
 from .quantization.kernels import quantized_linear_kernel
 from .quantization.weights import QuantizedWeight
 
@@ -37,19 +37,16 @@ GEMV_ROWS = 5
 class GemvPlan:
     """How `gemv_bf16` reads each thread's share of the weight rows: as `streams` sequential streams, a row from
     each in turn, asking for each stream's row `prefetch_rows` ahead as it starts on one (0: the hardware prefetcher
-    alone). The outputs are the same bits whatever the plan."""
+    alone). The outputs are the same bits whatever the plan.
 
-    streams: int
-    prefetch_rows: int
+    The defaults won on both families, measured on tokenfleet-large's GEMVs (200 MB; `tokenfleet bench gemv`): on a
+    Zen 5 VM they read 87-94 % of the bandwidth at 1-5 rows, where four unaided streams read 81 % at one row and
+    38 % at five; on an Emerald Rapids-class AMX Xeon VM 94 % at one row and 73-86 % at 2-5, where four unaided
+    streams read 78 % and 50-66 %. (Four unaided streams had read 96 % at one row on a Sapphire Rapids-class VM,
+    two 91 %; two with the prefetch were not measured there.)"""
 
-    @staticmethod
-    def for_cpu(vendor: str) -> GemvPlan:
-        """Measured per CPU family on tokenfleet-large's GEMVs (200 MB; `tokenfleet bench gemv`): on an AMX Xeon VM
-        four streams read 96 % of the bandwidth unaided at one row; on a Zen 5 VM two streams with the rows two
-        ahead asked for read 87-94 % at 1-5 rows, where those four read 81 % at one row and 38 % at five."""
-        if vendor == "AuthenticAMD":
-            return GemvPlan(streams=2, prefetch_rows=2)
-        return GemvPlan(streams=4, prefetch_rows=0)
+    streams: int = 2
+    prefetch_rows: int = 2
 
 
 class TorchLinearKernel:
@@ -61,7 +58,7 @@ class OneDnnPackedLinearKernel:
     def __init__(self, weight: torch.Tensor):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACKING_BATCH_HINT)
         self.gemv = cpu_kernels() if weight.shape[1] % 32 == 0 else None
-        self.gemv_plan = GemvPlan.for_cpu(cpu_vendor())
+        self.gemv_plan = GemvPlan()
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.gemv is not None and x.shape[0] <= GEMV_ROWS and bias is None:

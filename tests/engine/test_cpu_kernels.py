@@ -26,7 +26,6 @@ from gpu_worker.engine.kernels import (
     cpu_has_avx512_bf16,
     cpu_kernels,
     cpu_model,
-    cpu_vendor,
     quant_cpu_kernels,
 )
 from gpu_worker.engine.kv_cache_format import CpuInt8PagedAttention, DenseKVFormat, ScaledKVFormat
@@ -55,7 +54,7 @@ def test_native_kernels_build_on_this_cpu():
     assert cpu_kernels() is not None, "gpu_worker/engine/kernels/cpu_kernels.cpp failed to build"
 
 
-GEMV_PLANS = [GemvPlan.for_cpu("GenuineIntel"), GemvPlan.for_cpu("AuthenticAMD"), GemvPlan(1, 0), GemvPlan(3, 5)]
+GEMV_PLANS = [GemvPlan(), GemvPlan(4, 0), GemvPlan(1, 0), GemvPlan(3, 5)]
 
 
 @needs_avx512_bf16
@@ -65,7 +64,7 @@ def test_few_row_gemv_matches_the_reference(rows):
     for n, k in [(1280, 768), (7, 64), (32000, 256)]:
         w = torch.randn(n, k, dtype=torch.bfloat16)
         x = torch.randn(rows, k, dtype=torch.bfloat16)
-        plan = GemvPlan.for_cpu(cpu_vendor())
+        plan = GemvPlan()
         _assert_close_in_bf16(cpu_kernels().gemv_bf16(x, w, plan.streams, plan.prefetch_rows),
                               F.linear(x.float(), w.float()))
 
@@ -80,11 +79,6 @@ def test_every_gemv_plan_gives_the_same_bits(rows):
         first, *others = [cpu_kernels().gemv_bf16(x, w, p.streams, p.prefetch_rows) for p in GEMV_PLANS]
         for other in others:
             assert torch.equal(other, first)
-
-
-def test_the_gemv_plan_is_chosen_by_cpu_vendor():
-    assert GemvPlan.for_cpu("AuthenticAMD") == GemvPlan(streams=2, prefetch_rows=2)
-    assert GemvPlan.for_cpu("GenuineIntel") == GemvPlan(streams=4, prefetch_rows=0)
 
 
 @needs_avx512_bf16
@@ -156,7 +150,7 @@ def test_the_engine_logs_how_its_bf16_gemvs_read_the_weights(make_checkpoint, ca
     with caplog.at_level(logging.INFO, logger="gpu_worker.engine.llm_engine"):
         LLM(str(make_checkpoint("llama")), dtype="bfloat16")
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("kernels:"))
-    plan = GemvPlan.for_cpu(cpu_vendor())
+    plan = GemvPlan()
     assert f"bf16 GEMVs: {plan.streams} streams a thread, {plan.prefetch_rows} rows ahead prefetched" in line
 
 

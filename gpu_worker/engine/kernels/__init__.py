@@ -43,11 +43,6 @@ def cpu_model() -> str:
     return _cpuinfo_field("model name") or "unknown CPU"
 
 
-def cpu_vendor() -> str:
-    """"GenuineIntel", "AuthenticAMD", ... ("" where /proc/cpuinfo does not say)."""
-    return _cpuinfo_field("vendor_id")
-
-
 @functools.cache
 def _cpuinfo_field(name: str) -> str:
     """The first CPU's `name` in /proc/cpuinfo, or ""."""

@@ -45,11 +45,10 @@ static inline void rows_dot_bf16(const uint16_t* x, const uint16_t* w, int64_t K
 
 // Each thread takes one contiguous range of the N weight rows and reads it as `streams` sequential streams, a row
 // from each in turn, asking for each stream's row `prefetch_rows` ahead (0: none) as it starts on a row. The
-// caller picks both by CPU (linear.py's GemvPlan): on an AMX Xeon VM the L2 streamer ran ahead on four streams
-// without help (the 49 GEMVs of tokenfleet-large's batch-1 decode, 200 MB, read 78 % of the bandwidth with one
-// stream a thread, 96 % with four); on a Zen 5 VM those four streams read 1.1-1.2x slower than two streams with
-// the rows two ahead asked for at 1-3 rows of x, 2.3x at 5 (batch-1 decode +15-24 %). The plan changes which rows
-// a thread reads when, never a row's sum.
+// caller's plan (linear.py's GemvPlan) is two streams with the rows two ahead asked for: the 49 GEMVs of
+// tokenfleet-large's batch-1 decode (200 MB) read 87-94 % of the bandwidth that way at 1-5 rows of x on a Zen 5 VM
+// and 73-94 % on an Emerald Rapids-class Xeon VM, against 38-81 % and 50-78 % with four unaided streams (batch-1
+// decode +15-24 % on the Zen 5). The plan changes which rows a thread reads when, never a row's sum.
 template <typename F>
 static void for_rows_in_streams(int64_t N, int64_t row_bytes, const uint16_t* w, int64_t streams,
                                 int64_t prefetch_rows, F&& row) {
