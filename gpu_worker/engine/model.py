@@ -96,12 +96,16 @@ class LayerParts(NamedTuple):
     down_proj: Callable
 
 
-def decoder_layer(p: LayerParts, x, residual, cos, sin, kv_cache,
-                  meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+def decoder_layer(p: LayerParts, x, residual, cos, sin, kv_cache, meta: AttentionMetadata,
+                  rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x: the previous layer's MLP output (the embeddings for the first layer, with no residual yet).
-    Returns this layer's MLP output and the residual stream it is still to be added to."""
+    Returns this layer's MLP output and the residual stream it is still to be added to, for every row or, given
+    `rows`, for those alone: every row's keys and values are still written to the cache."""
     x, residual = p.input_layernorm(x, residual)
-    x, residual = p.post_attention_layernorm(p.o_proj(p.attn(p.qkv_proj(x), cos, sin, kv_cache, meta)), residual)
+    attended = p.attn(p.qkv_proj(x), cos, sin, kv_cache, meta)
+    if rows is not None:
+        attended, residual = attended[rows], residual[rows]
+    x, residual = p.post_attention_layernorm(p.o_proj(attended), residual)
     return p.down_proj(p.act(p.gate_up_proj(x))), residual
 
 
@@ -113,8 +117,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, residual, cos, sin, kv_cache, meta) -> tuple[torch.Tensor, torch.Tensor]:
-        return decoder_layer(self.parts(), x, residual, cos, sin, kv_cache, meta)
+    def forward(self, x, residual, cos, sin, kv_cache, meta, rows=None) -> tuple[torch.Tensor, torch.Tensor]:
+        return decoder_layer(self.parts(), x, residual, cos, sin, kv_cache, meta, rows)
 
     def parts(self) -> LayerParts:
         a, m = self.self_attn, self.mlp
@@ -142,9 +146,11 @@ class Transformer(nn.Module):
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: AttentionMetadata) -> torch.Tensor:
-        """Returns final hidden states [T, hidden]; `logits` projects only the rows that are sampled."""
-        return self.run(self.layers, self.norm, input_ids, positions, kv_caches, meta)
+                meta: AttentionMetadata, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Returns final hidden states [T, hidden], or only those of `rows` (the ones sampled): the last layer's
+        o_proj and MLP then run for them alone, a 12-layer model's prefill chunk doing ~1/13 less work (llama.cpp
+        does the same). `logits` projects the rows that are sampled."""
+        return self.run(self.layers, self.norm, input_ids, positions, kv_caches, meta, rows)
 
     def bound(self) -> Callable:
         """`forward` with every layer's and the final norm's calls bound ahead (`DecoderLayer.bound`): the same
@@ -154,12 +160,15 @@ class Transformer(nn.Module):
         return functools.partial(self.run, [layer.bound() for layer in self.layers], self.norm.bound())
 
     def run(self, layers: list[Callable], norm: Callable, input_ids: torch.Tensor, positions: torch.Tensor,
-            kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+            kv_caches: list[torch.Tensor], meta: AttentionMetadata, rows: torch.Tensor | None = None) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         residual = None
-        for layer, kv_cache in zip(layers, kv_caches, strict=True):
+        *inner, last = zip(layers, kv_caches, strict=True)
+        for layer, kv_cache in inner:
             x, residual = layer(x, residual, cos, sin, kv_cache, meta)
+        layer, kv_cache = last
+        x, residual = layer(x, residual, cos, sin, kv_cache, meta, rows)
         return norm(x, residual)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

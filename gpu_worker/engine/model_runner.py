@@ -50,22 +50,24 @@ class ModelRunner:
         # Decode tokens first, shortest context first: attended in groups; then prefill chunks one by one.
         chunks = sorted(out.chunks, key=lambda c: (not self.attends_by_row(c), c.start))
         input_ids, positions, meta = self.prepare(chunks)
+        sample_rows = _sample_rows(chunks)
         if self.graphs.covers(meta):
             hidden = self.graphs.run(input_ids, positions, meta)
-        else:
+        elif len(sample_rows) == len(input_ids) or any(c.seq.params.prompt_logprobs is not None for c in chunks):
             hidden = self.forward(input_ids, positions, self.kv_caches, meta)
-        return self._sample(chunks, hidden), prompt_logprobs(self.model, chunks, hidden)
+        else:  # the sampled rows' final hidden states alone; a step sampling none keeps one (kernels take no
+            # empty batch) and discards it
+            rows = sample_rows or [len(input_ids) - 1]
+            hidden = self.forward(input_ids, positions, self.kv_caches, meta, to_device(rows, torch.long, self.device))
+        return self._sample(chunks, hidden, sample_rows), prompt_logprobs(self.model, chunks, hidden)
 
-    def _sample(self, chunks: list[ScheduledChunk], hidden: torch.Tensor) -> dict[int, list[SampledToken]]:
-        sample_rows, sampled_chunks, row = [], [], 0
-        for chunk in chunks:
-            row += chunk.num_tokens
-            if chunk.sample:  # the last row, and with guesses the rows scoring them
-                sample_rows.extend(range(row - 1 - len(chunk.guesses), row))
-                sampled_chunks.append(chunk)
+    def _sample(self, chunks: list[ScheduledChunk], hidden: torch.Tensor,
+                sample_rows: list[int]) -> dict[int, list[SampledToken]]:
+        """hidden: every row's final hidden state, or the sampled rows' alone."""
+        sampled_chunks = [c for c in chunks if c.sample]
         if not sampled_chunks:
             return {}
-        if len(sample_rows) < len(hidden):  # else every row, in order: a decode step's
+        if len(sample_rows) < len(hidden):
             hidden = hidden[to_device(sample_rows, torch.long, self.device)]
         logits = self.model.logits(hidden)
         rows = [(c, i) for c in sampled_chunks for i in range(len(c.guesses) + 1)]
@@ -106,6 +108,17 @@ class ModelRunner:
             meta.prefills.append(PrefillChunk(start, c.num_tokens, ctx, table))
             start += c.num_tokens
         return to_device(ids, torch.long, dev), positions, meta
+
+
+def _sample_rows(chunks: list[ScheduledChunk]) -> list[int]:
+    """The rows of the step whose next token is sampled: each sampling chunk's last, and with guesses the rows
+    scoring them."""
+    rows, row = [], 0
+    for chunk in chunks:
+        row += chunk.num_tokens
+        if chunk.sample:
+            rows.extend(range(row - 1 - len(chunk.guesses), row))
+    return rows
 
 
 def _decodes(chunk: ScheduledChunk) -> bool:
