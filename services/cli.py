@@ -69,6 +69,8 @@ BENCHMARKS = {
                                            "bandwidth, from DRAM and from the caches"),
     "gemv": ("bench.gemv_plans", "the bf16 GEMV of 1-5 rows under each way of reading the weights, on a model's "
                                  "weights"),
+    "forward": ("bench.forward_paths", "the model runner's ways through the model (modules, bound calls, sampled "
+                                       "rows alone), batch-1 decode and prefill"),
     "avx2": ("bench.avx2_path", "an AVX2-only host's native kernels against the torch path, kernels chosen as there"),
 }
 

@@ -133,6 +133,18 @@ def test_bench_gemv_reports_every_plan_against_the_engines_own(model_dir, tmp_pa
     assert f"| 3 | {figures['own_plan']} (the engine's) |" in proc.stdout
 
 
+def test_bench_forward_reports_every_path_against_the_engines_own(model_dir, tmp_path):
+    out = tmp_path / "forward.json"
+    proc = _tokenfleet("bench", "forward", "--model", model_dir, "--dtype", "float32", "--prompt-len", "40",
+                       "--decode-tokens", "4", "--rounds", "2", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    figures = json.loads(out.read_text())["tokens_per_s"]
+    for workload in ("decode", "prefill"):
+        assert set(figures[workload]) == {"modules", "bound, every row", "bound, sampled rows"}
+        assert all(len(tps) == 2 and min(tps) > 0 for tps in figures[workload].values())
+    assert "| prefill, one prompt of 40 tokens | bound, sampled rows (the engine's) |" in proc.stdout
+
+
 def test_bench_prefix_reports_ttft_with_caching_on_and_off(model_dir, tmp_path):
     out = tmp_path / "prefix.json"
     proc = _tokenfleet("bench", "prefix", "--model", model_dir, "--dtype", "float32", "--num-requests", "4",
