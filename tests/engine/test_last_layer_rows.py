@@ -55,9 +55,13 @@ def test_the_sampled_rows_get_the_full_forwards_hidden_states_and_every_rows_key
     ids, positions, meta = runner.prepare(chunks)
     last_rows = torch.tensor([6, 10, 12])  # each prompt's last row in the step
     with torch.inference_mode():
-        full = runner.forward(ids, positions, runner.kv_caches, meta)
-        written = [cache.clone() for cache in runner.kv_caches]
+        for cache in runner.kv_caches:
+            cache.zero_()
         sampled = runner.forward(ids, positions, runner.kv_caches, meta, last_rows)
+        written = [cache.clone() for cache in runner.kv_caches]
+        for cache in runner.kv_caches:
+            cache.zero_()
+        full = runner.forward(ids, positions, runner.kv_caches, meta)
     torch.testing.assert_close(sampled, full[last_rows], rtol=1e-5, atol=1e-5)
     assert all(torch.equal(a, b) for a, b in zip(written, runner.kv_caches, strict=True))
 

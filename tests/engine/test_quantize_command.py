@@ -10,7 +10,7 @@ import torch
 from gpu_worker.engine import LLM, SamplingParams
 from gpu_worker.engine.errors import ModelLoadError
 from gpu_worker.engine.quantization.awq import best_scale, scale_groups
-from gpu_worker.engine.quantization.convert import quantize_checkpoint
+from gpu_worker.engine.quantization.convert import _calibration_inputs, quantize_checkpoint
 from gpu_worker.engine.quantization.methods import WeightQuantizer
 from gpu_worker.engine.quantization.weights import Int4Weight, Int8Weight
 from services.cli import main as tokenfleet
@@ -97,3 +97,13 @@ def test_the_console_command_writes_a_servable_directory(make_checkpoint, tmp_pa
                        "--out", str(out)]) == 0
     assert "x of bf16" in capsys.readouterr().out
     assert LLM(str(out)).generate(PROMPTS[0], SamplingParams(max_tokens=4, ignore_eos=True))[0].outputs[0].token_ids
+
+
+def test_awq_calibration_captures_every_token_in_every_layers_groups(make_checkpoint):
+    """The last layer runs the sampled row alone when serving; calibration needs all of its tokens there too."""
+    llm = LLM(str(make_checkpoint("llama", hidden_size=128, intermediate_size=256)), dtype="float32")
+    text = "the quick brown fox jumps over the lazy dog " * 4
+    tokens = len(llm.tokenizer.encode(text))
+    captured = _calibration_inputs(llm, text)
+    assert {g.name for g in scale_groups(llm.engine.runner.model)} == set(captured)
+    assert {name: rows.shape[0] for name, rows in captured.items()} == dict.fromkeys(captured, tokens)

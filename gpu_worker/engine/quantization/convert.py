@@ -85,8 +85,10 @@ def _calibration_inputs(llm: LLM, text: str) -> dict[str, torch.Tensor]:
         lambda _m, args, name=g.name: captured.setdefault(name, []).append(args[0].detach().clone()))
         for g in scale_groups(llm.engine.runner.model)]
     try:
+        # Prompt log-probabilities keep every row through the last layer, which otherwise runs the sampled row
+        # alone: its groups calibrate on every token too.
         with llm.engine.runner.through_modules():
-            llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=1))
+            llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0))
     finally:
         for hook in hooks:
             hook.remove()
