@@ -2,14 +2,16 @@
 
 Workloads (fixed seed, greedy, `ignore_eos`): batch 1, decode tokens/s of one 128-token prompt and 128 new tokens
 (the median of `--repeats` runs); mixed, output tokens/s of 128 requests with uneven prompts and outputs, all
-submitted at once. Every engine is loaded once, with prefix caching off (each round repeats the prompts, which a
-cache would serve from the second round on). Each round then runs, for every peer and workload, ours and the
-peer back to back (ours first in odd rounds, the peer first in even ones), so that each ratio compares two runs
-seconds apart: on a shared host a neighbour's load during one half of a run minutes long moved a ratio by 1.4x.
-The table gives each ratio's median over the rounds and its spread, the host (CPU, ISA, L3, threads) and the read
-bandwidth of each round, over 1 GiB and over the weights' size (the latter close to the former: the weights
-stream from DRAM; far above it: from cache). Batch 1 is also set against the memory roofline: weight bytes read
-per token over the bandwidth read just before and after the runs.
+submitted at once (`--prompt-range` and `--output-range` reshape it: `--output-range 1 1` times the prompts'
+prefill alone, `--prompt-range 32 32 --output-range 256 256` mostly decode, so that a mixed ratio can be split in
+two). Every engine is loaded once, with prefix caching off (each round repeats the prompts, which a cache would
+serve from the second round on). Each round then runs, for every peer and workload, ours and the peer back to back
+(ours first in odd rounds, the peer first in even ones), so that each ratio compares two runs seconds apart: on a
+shared host a neighbour's load during one half of a run minutes long moved a ratio by 1.4x. The table gives each
+ratio's median over the rounds and its spread, the host (CPU, ISA, L3, threads) and the read bandwidth of each
+round, over 1 GiB and over the weights' size (the latter close to the former: the weights stream from DRAM; far
+above it: from cache). Batch 1 is also set against the memory roofline: weight bytes read per token over the
+bandwidth read just before and after the runs.
 """
 
 from __future__ import annotations
@@ -34,6 +36,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     p.add_argument("--device", default="cpu")
     p.add_argument("--num-requests", type=int, default=128)
+    p.add_argument("--prompt-range", type=int, nargs=2, default=(32, 512), metavar=("MIN", "MAX"),
+                   help="the mixed workload's prompt lengths, drawn uniformly (equal bounds: prefill-light loads)")
+    p.add_argument("--output-range", type=int, nargs=2, default=(16, 256), metavar=("MIN", "MAX"),
+                   help="its output lengths (1 1: the prompts' prefill alone)")
     p.add_argument("--rounds", type=int, default=3,
                    help="rounds of ours and each peer in turn; a ratio is their median")
     p.add_argument("--repeats", type=int, default=3, help="batch-1 runs per engine and round; the median counts")
@@ -177,11 +183,13 @@ def run(args: argparse.Namespace) -> dict:
     llm = LLM(str(model_dir), dtype={"bf16": "bfloat16", "fp32": "float32"}[args.dtype], device=args.device,
               enable_prefix_caching=False)
     vocab = llm.engine.model_config.vocab_size
-    b1, mix = batch1(vocab), mixed(vocab, args.num_requests)
+    b1, mix = batch1(vocab), mixed(vocab, args.num_requests, tuple(args.prompt_range), tuple(args.output_range))
     weights = weight_bytes_per_token(llm.engine.runner.model)
     ours_batch1_tps(llm, batch1(vocab, 16, 4, seed=1))  # warm-up
     result = {"date": date.today().isoformat(), "model": args.model, "dtype": args.dtype, "device": args.device,
-              "host": host.describe(), "weight_bytes": weights, "rounds_run": args.rounds, "peer_errors": {}}
+              "host": host.describe(), "weight_bytes": weights, "rounds_run": args.rounds, "peer_errors": {},
+              "mixed_workload": {"requests": args.num_requests, "prompt_range": list(args.prompt_range),
+                                 "output_range": list(args.output_range)}}
     ours = Ours(llm, b1, mix)
     peers = _peers(args.peer or ["hf"], model_dir, args.dtype, b1, mix, args.device, result["peer_errors"])
     opened = list(peers)
@@ -203,6 +211,7 @@ def run(args: argparse.Namespace) -> dict:
 def format_table(r: dict) -> str:
     lines = [f"tokenfleet bench engine — {r['model']} {r['dtype']} on {r['device']}, {r['date']}, "
              f"{r['rounds_run']} interleaved rounds", host.describe_line(r["host"], r["weight_bytes"]),
+             _mixed_line(r["mixed_workload"]),
              "read bandwidth per round, GB/s (over 1 GiB / over the weights' size): " + ", ".join(
                  f"{rnd['read_bandwidth_gbs']:.1f} / {rnd['read_bandwidth_weights_gbs']:.1f}" for rnd in r["rounds"]),
              "", "| workload | engine | tok/s (median) | tokenfleet / engine: median | spread over rounds |",
@@ -224,6 +233,11 @@ def format_table(r: dict) -> str:
     for peer, err in r["peer_errors"].items():
         lines.append(f"peer {peer} failed: {err}")
     return "\n".join(lines)
+
+
+def _mixed_line(w: dict) -> str:
+    (p0, p1), (o0, o1) = w["prompt_range"], w["output_range"]
+    return f"mixed workload: {w['requests']} requests at once, prompts of {p0}-{p1} tokens, {o0}-{o1} out"
 
 
 def run_from_args(args: argparse.Namespace) -> int:
