@@ -26,7 +26,7 @@ import time
 from datetime import date
 
 from .host import describe
-from .report import publish
+from .report import publish, spread
 
 ENGINES_OWN = "bound, sampled rows"
 
@@ -104,7 +104,7 @@ def format_table(r: dict) -> str:
             speed = [t / o for t, o in zip(tps, own, strict=True)]
             mark = " (the engine's)" if name == ENGINES_OWN else ""
             lines.append(f"| {workloads[workload]} | {name}{mark} | {statistics.median(tps):.1f} | "
-                         f"{statistics.median(speed):.2f} [{min(speed):.2f}, {max(speed):.2f}] |")
+                         f"{spread(speed)} |")
     return "\n".join(lines)
 
 

@@ -19,7 +19,7 @@ from datetime import date
 import torch
 
 from .host import describe, read_bandwidth_gbs
-from .report import publish
+from .report import publish, spread
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -101,7 +101,7 @@ def format_table(r: dict) -> str:
             speed = [b / s for b, s in zip(base, secs, strict=True)]
             mark = " (the engine's)" if label == own else ""
             lines.append(f"| {rows} | {label}{mark} | {gbs:.1f} | {100 * gbs / read:.0f} % | "
-                         f"{statistics.median(speed):.2f} [{min(speed):.2f}, {max(speed):.2f}] |")
+                         f"{spread(speed)} |")
     return "\n".join(lines)
 
 

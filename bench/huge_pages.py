@@ -17,6 +17,7 @@ from gpu_worker.engine.linear import Linear
 
 from .contestants import ours_batch1_tps
 from .quant import mode_configuration
+from .report import spread
 from .workloads import batch1
 
 # The tensors a decode step streams, by where they live: a linear's dense weight, a quantized kernel's matrix.
@@ -77,8 +78,7 @@ def main(argv: list[str] | None = None) -> None:
     for mode in engines:
         huge, plain = runs[mode, True], runs[mode, False]
         ratios = [a / b for a, b in zip(huge, plain, strict=True)]
-        print(f"| {mode} | {statistics.median(huge):.1f} | {statistics.median(plain):.1f} | "
-              f"{statistics.median(ratios):.2f} [{min(ratios):.2f}, {max(ratios):.2f}] |")
+        print(f"| {mode} | {statistics.median(huge):.1f} | {statistics.median(plain):.1f} | {spread(ratios)} |")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 
 
 def publish(result: dict, table: str, json_path: str | None) -> int:
@@ -11,3 +12,8 @@ def publish(result: dict, table: str, json_path: str | None) -> int:
         with open(json_path, "w") as f:
             json.dump(result, f, indent=2, default=str)
     return 0
+
+
+def spread(values: list[float]) -> str:
+    """A ratio's rounds as the tables give them: median [min, max]."""
+    return f"{statistics.median(values):.2f} [{min(values):.2f}, {max(values):.2f}]"

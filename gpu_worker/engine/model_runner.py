@@ -12,7 +12,7 @@ from .cuda_graphs import DecodeGraphs, NoDecodeGraphs
 from .host_memory import to_device
 from .kv_cache_manager import cdiv
 from .model import Transformer
-from .prompt_logprobs import PromptLogprobs, prompt_logprobs
+from .prompt_logprobs import PromptLogprobs, prompt_logprobs, scores_prompt
 from .sampler import SampledToken, Sampler, SamplingBatch, position_uniform
 from .scheduler import ScheduledChunk, SchedulerOutput
 from .speculative import accepted_prefix
@@ -53,7 +53,7 @@ class ModelRunner:
         sample_rows = _sample_rows(chunks)
         if self.graphs.covers(meta):
             hidden = self.graphs.run(input_ids, positions, meta)
-        elif len(sample_rows) == len(input_ids) or any(c.seq.params.prompt_logprobs is not None for c in chunks):
+        elif len(sample_rows) == len(input_ids) or any(map(scores_prompt, chunks)):
             hidden = self.forward(input_ids, positions, self.kv_caches, meta)
         else:  # the sampled rows' final hidden states alone; a step sampling none keeps one (kernels take no
             # empty batch) and discards it

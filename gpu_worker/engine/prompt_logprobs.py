@@ -24,6 +24,12 @@ class PromptLogprobs:
     values: list[float]
 
 
+def scores_prompt(chunk: ScheduledChunk) -> bool:
+    """Whether the chunk's rows yield prompt log-probabilities: its sequence asked for them and it covers a prompt
+    position before the last."""
+    return chunk.seq.params.prompt_logprobs is not None and chunk.start < chunk.seq.num_prompt_tokens - 1
+
+
 def prompt_logprobs(model: Transformer, chunks: list[ScheduledChunk],
                     hidden: torch.Tensor) -> dict[int, PromptLogprobs]:
     """For each chunk (in `hidden`'s row order) of a sequence that asked for prompt log-probabilities."""
@@ -31,7 +37,7 @@ def prompt_logprobs(model: Transformer, chunks: list[ScheduledChunk],
     for chunk in chunks:
         seq = chunk.seq
         end = min(chunk.start + chunk.num_tokens, seq.num_prompt_tokens - 1)
-        if seq.params.prompt_logprobs is not None and chunk.start < end:
+        if scores_prompt(chunk):
             targets = torch.tensor(seq.token_ids[chunk.start + 1:end + 1], device=hidden.device)
             values = []
             for lo in range(0, len(targets), ROWS_PER_PROJECTION):
