@@ -70,8 +70,6 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.device = torch.device(config.device)
-        if self.device.type == "cpu":
-            keep_freed_memory()
         checkpoint = open_checkpoint(config.model)
         self.model_path, self.model_config = checkpoint.path, checkpoint.config
         self.dtype = resolve_dtype(config.dtype, self.model_config.checkpoint_dtype, self.device)
@@ -107,6 +105,8 @@ class LLMEngine:
         self.busy_seconds = 0.0
         self._seq_counter = 0
         self._entropy = random.SystemRandom()
+        if self.device.type == "cpu":
+            keep_freed_memory()
 
     def proposer_for(self, config: SpeculativeConfig | None) -> Proposer:
         """The proposer `config` names, drafting into this engine's KV cache (a benchmark switches between them;
