@@ -71,6 +71,8 @@ BENCHMARKS = {
                                  "weights"),
     "forward": ("bench.forward_paths", "the model runner's ways through the model (modules, bound calls, sampled "
                                        "rows alone), batch-1 decode and prefill"),
+    "linears": ("bench.linear_rates", "each linear's GEMM rate inside the mixed workload, against the same call "
+                                      "made warm"),
     "avx2": ("bench.avx2_path", "an AVX2-only host's native kernels against the torch path, kernels chosen as there"),
 }
 

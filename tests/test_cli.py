@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -155,6 +156,28 @@ def test_bench_forward_reports_every_path_against_the_engines_own(model_dir, tmp
         assert set(figures[workload]) == {"modules", "bound, every row", "bound, sampled rows"}
         assert all(len(tps) == 2 and min(tps) > 0 for tps in figures[workload].values())
     assert "| prefill, one prompt of 40 tokens | bound, sampled rows (the engine's) |" in proc.stdout
+
+
+def test_bench_linears_times_every_row_each_projection_runs_in_the_mixed_workload(model_dir, tmp_path):
+    from bench.workloads import mixed
+
+    out = tmp_path / "linears.json"
+    proc = _tokenfleet("bench", "linears", "--model", model_dir, "--dtype", "float32", "--num-requests", "6",
+                       "--prompt-range", "8", "40", "--output-range", "2", "12", "--rounds", "2", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    figures = json.loads(out.read_text())
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    work = mixed(config["vocab_size"], 6, (8, 40), (2, 12))
+    rows = {}
+    for entry in figures["linears"]:
+        rows[entry["linear"]] = rows.get(entry["linear"], 0) + entry["total_rows"]
+        assert entry["gflops"] > 0 and entry["warm_gflops"] > 0 and entry["calls"] > 0
+    # Every computed token through each layer's qkv_proj once (the last sampled token is never run); one LM-head
+    # row per token sampled.
+    computed = sum(map(len, work.prompts)) + work.output_tokens - len(work.prompts)
+    assert rows["qkv_proj"] == config["num_hidden_layers"] * computed
+    assert rows["lm_head"] == work.output_tokens
+    assert "| qkv_proj |" in proc.stdout
 
 
 def test_bench_prefix_reports_ttft_with_caching_on_and_off(model_dir, tmp_path):
