@@ -25,7 +25,7 @@ import torch
 from . import external_peers, hf_peer, host
 from .contestants import BATCH1, MIXED, HfContinuousBatching, HfGenerate, Ours, ours_batch1_tps
 from .report import publish
-from .workloads import Workload, batch1, mixed
+from .workloads import Workload, add_mixed_arguments, batch1, mixed_line, mixed_of, mixed_shape
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 PEERS = ("hf", "hf-cb", "vllm", "llamacpp")
@@ -35,11 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tokenfleet-large")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     p.add_argument("--device", default="cpu")
-    p.add_argument("--num-requests", type=int, default=128)
-    p.add_argument("--prompt-range", type=int, nargs=2, default=(32, 512), metavar=("MIN", "MAX"),
-                   help="the mixed workload's prompt lengths, drawn uniformly (equal bounds: prefill-light loads)")
-    p.add_argument("--output-range", type=int, nargs=2, default=(16, 256), metavar=("MIN", "MAX"),
-                   help="its output lengths (1 1: the prompts' prefill alone)")
+    add_mixed_arguments(p)
     p.add_argument("--rounds", type=int, default=3,
                    help="rounds of ours and each peer in turn; a ratio is their median")
     p.add_argument("--repeats", type=int, default=3, help="batch-1 runs per engine and round; the median counts")
@@ -183,13 +179,13 @@ def run(args: argparse.Namespace) -> dict:
     llm = LLM(str(model_dir), dtype={"bf16": "bfloat16", "fp32": "float32"}[args.dtype], device=args.device,
               enable_prefix_caching=False)
     vocab = llm.engine.model_config.vocab_size
-    b1, mix = batch1(vocab), mixed(vocab, args.num_requests, tuple(args.prompt_range), tuple(args.output_range))
+    shape = mixed_shape(args)
+    b1, mix = batch1(vocab), mixed_of(vocab, shape)
     weights = weight_bytes_per_token(llm.engine.runner.model)
     ours_batch1_tps(llm, batch1(vocab, 16, 4, seed=1))  # warm-up
     result = {"date": date.today().isoformat(), "model": args.model, "dtype": args.dtype, "device": args.device,
               "host": host.describe(), "weight_bytes": weights, "rounds_run": args.rounds, "peer_errors": {},
-              "mixed_workload": {"requests": args.num_requests, "prompt_range": list(args.prompt_range),
-                                 "output_range": list(args.output_range)}}
+              "mixed_workload": shape}
     ours = Ours(llm, b1, mix)
     peers = _peers(args.peer or ["hf"], model_dir, args.dtype, b1, mix, args.device, result["peer_errors"])
     opened = list(peers)
@@ -211,7 +207,7 @@ def run(args: argparse.Namespace) -> dict:
 def format_table(r: dict) -> str:
     lines = [f"tokenfleet bench engine — {r['model']} {r['dtype']} on {r['device']}, {r['date']}, "
              f"{r['rounds_run']} interleaved rounds", host.describe_line(r["host"], r["weight_bytes"]),
-             _mixed_line(r["mixed_workload"]),
+             mixed_line(r["mixed_workload"]),
              "read bandwidth per round, GB/s (over 1 GiB / over the weights' size): " + ", ".join(
                  f"{rnd['read_bandwidth_gbs']:.1f} / {rnd['read_bandwidth_weights_gbs']:.1f}" for rnd in r["rounds"]),
              "", "| workload | engine | tok/s (median) | tokenfleet / engine: median | spread over rounds |",
@@ -233,11 +229,6 @@ def format_table(r: dict) -> str:
     for peer, err in r["peer_errors"].items():
         lines.append(f"peer {peer} failed: {err}")
     return "\n".join(lines)
-
-
-def _mixed_line(w: dict) -> str:
-    (p0, p1), (o0, o1) = w["prompt_range"], w["output_range"]
-    return f"mixed workload: {w['requests']} requests at once, prompts of {p0}-{p1} tokens, {o0}-{o1} out"
 
 
 def run_from_args(args: argparse.Namespace) -> int:

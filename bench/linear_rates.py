@@ -24,6 +24,7 @@ import torch
 
 from .host import describe
 from .report import publish
+from .workloads import add_mixed_arguments, mixed_line, mixed_of, mixed_shape
 
 # Rows of a call, as the kernels split them: the GEMV (batch-1 decode, a few guesses), decode steps, prefill steps.
 BUCKETS = ((1, 5), (6, 64), (65, 256), (257, 1 << 30))
@@ -32,9 +33,7 @@ BUCKETS = ((1, 5), (6, 64), (65, 256), (257, 1 << 30))
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tokenfleet-large")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument("--num-requests", type=int, default=128)
-    p.add_argument("--prompt-range", type=int, nargs=2, default=(32, 512), metavar=("MIN", "MAX"))
-    p.add_argument("--output-range", type=int, nargs=2, default=(16, 256), metavar=("MIN", "MAX"))
+    add_mixed_arguments(p)
     p.add_argument("--rounds", type=int, default=2, help="timed runs of the workload, after one to warm up")
     p.add_argument("--json", dest="json_path", default=None)
 
@@ -58,14 +57,14 @@ class TimedKernel:
     def _timed(self, call, x: torch.Tensor):
         started = time.perf_counter()
         y = call()
-        self.calls.setdefault((self.name, _bucket(x.numel() // x.shape[-1])), []).append(
-            (x.numel() // x.shape[-1], time.perf_counter() - started))
+        elapsed, rows = time.perf_counter() - started, x.numel() // x.shape[-1]
+        self.calls.setdefault((self.name, _bucket(rows)), []).append((rows, elapsed))
         return y
 
 
 @contextlib.contextmanager
 def timed_linears(model: torch.nn.Module, calls: dict) -> Iterator[dict]:
-    """Every `Linear` of `model` timed meanwhile; yields {projection name: (its first module, weight shape)}."""
+    """Every `Linear` of `model` timed meanwhile; yields {projection name: its first module}."""
     from gpu_worker.engine.linear import Linear
 
     linears = [(name.rsplit(".", 1)[-1], m) for name, m in model.named_modules() if isinstance(m, Linear)]
@@ -83,13 +82,12 @@ def timed_linears(model: torch.nn.Module, calls: dict) -> Iterator[dict]:
 def warm_seconds(module, rows: int, dtype: torch.dtype, repeats: int = 5) -> float:
     """One call of `module`'s kernel on `rows` rows, the weight and the primitive warm: the best of `repeats`."""
     x = torch.randn(rows, module.in_features, dtype=dtype)
-    kernel = module.kernel.inner if isinstance(module.kernel, TimedKernel) else module.kernel
     for _ in range(2):
-        kernel(x, module.weight, module.bias)
+        module.kernel(x, module.weight, module.bias)
     best = float("inf")
     for _ in range(repeats):
         started = time.perf_counter()
-        kernel(x, module.weight, module.bias)
+        module.kernel(x, module.weight, module.bias)
         best = min(best, time.perf_counter() - started)
     return best
 
@@ -99,12 +97,11 @@ def run(args: argparse.Namespace) -> dict:
     from gpu_worker.engine.checkpoint import resolve_model_path
 
     from .contestants import ours_mixed
-    from .workloads import mixed
 
     llm = LLM(str(resolve_model_path(args.model)), dtype=args.dtype, device="cpu", enable_prefix_caching=False)
     model = llm.engine.runner.model
-    work = mixed(llm.engine.model_config.vocab_size, args.num_requests, tuple(args.prompt_range),
-                 tuple(args.output_range))
+    shape = mixed_shape(args)
+    work = mixed_of(llm.engine.model_config.vocab_size, shape)
     ours_mixed(llm, work)  # warm-up: oneDNN's primitives for the workload's row counts
     rounds = []
     calls: dict = {}
@@ -114,7 +111,7 @@ def run(args: argparse.Namespace) -> dict:
             seconds = ours_mixed(llm, work)["seconds"]
             rounds.append({"seconds": seconds, "calls": {k: list(v) for k, v in calls.items()}})
             print(f"round {r + 1}/{args.rounds} done", flush=True)
-    rows = []
+    rows, round_seconds = [], statistics.median(r["seconds"] for r in rounds)
     order = [_bucket(lo) for lo, _ in BUCKETS]
     for (name, bucket) in sorted(rounds[0]["calls"], key=lambda k: (k[0], order.index(k[1]))):
         module = first[name]
@@ -125,23 +122,21 @@ def run(args: argparse.Namespace) -> dict:
         median_rows = int(statistics.median(n for n, _ in made))
         warm = warm_seconds(module, median_rows, llm.engine.dtype)
         rows.append({"linear": name, "rows": bucket, "calls": len(made), "total_rows": total_rows,
-                     "seconds": seconds, "share": seconds / statistics.median(r["seconds"] for r in rounds),
+                     "seconds": seconds, "share": seconds / round_seconds,
                      "gflops": total_rows * flop_per_row / seconds / 1e9, "median_rows": median_rows,
                      "warm_gflops": median_rows * flop_per_row / warm / 1e9})
     return {"date": date.today().isoformat(), "model": args.model, "dtype": args.dtype, "host": describe(),
-            "mixed_workload": {"requests": args.num_requests, "prompt_range": list(args.prompt_range),
-                               "output_range": list(args.output_range)},
+            "mixed_workload": shape,
             "round_seconds": [r["seconds"] for r in rounds], "linears": rows}
 
 
 def format_table(r: dict) -> str:
-    host, w = r["host"], r["mixed_workload"]
-    (p0, p1), (o0, o1) = w["prompt_range"], w["output_range"]
+    host = r["host"]
     gemm = sum(x["share"] for x in r["linears"])
     lines = [f"tokenfleet bench linears — {r['model']} {r['dtype']}, {r['date']}, {len(r['round_seconds'])} rounds",
              f"host: {host['cpu']}, ISA {' '.join(host['isa'])}, {host['threads']} threads",
-             f"mixed workload: {w['requests']} requests at once, prompts of {p0}-{p1} tokens, {o0}-{o1} out; "
-             f"{statistics.median(r['round_seconds']):.2f} s a round, {gemm:.0%} of it in the linears", "",
+             f"{mixed_line(r['mixed_workload'])}; {statistics.median(r['round_seconds']):.2f} s a round, "
+             f"{gemm:.0%} of it in the linears", "",
              "| linear | rows a call | calls | s a round | of the round | GFLOP/s in the run | "
              "GFLOP/s warm (median rows) | run / warm |",
              "|---|---|---:|---:|---:|---:|---:|---:|"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import random
 from dataclasses import dataclass
 
@@ -26,6 +27,31 @@ def mixed(vocab: int, num_requests: int = 128, prompt_range=(32, 512), output_ra
     rng = random.Random(seed)
     prompts = [[rng.randrange(100, vocab) for _ in range(rng.randint(*prompt_range))] for _ in range(num_requests)]
     return Workload(prompts, [rng.randint(*output_range) for _ in range(num_requests)])
+
+
+def add_mixed_arguments(p: argparse.ArgumentParser) -> None:
+    """The mixed workload's shape on a benchmark's command line."""
+    p.add_argument("--num-requests", type=int, default=128)
+    p.add_argument("--prompt-range", type=int, nargs=2, default=(32, 512), metavar=("MIN", "MAX"),
+                   help="the mixed workload's prompt lengths, drawn uniformly (equal bounds: prefill-light loads)")
+    p.add_argument("--output-range", type=int, nargs=2, default=(16, 256), metavar=("MIN", "MAX"),
+                   help="its output lengths (1 1: the prompts' prefill alone)")
+
+
+def mixed_shape(args: argparse.Namespace) -> dict:
+    """The shape `add_mixed_arguments` read, as a benchmark's JSON records it."""
+    return {"requests": args.num_requests, "prompt_range": list(args.prompt_range),
+            "output_range": list(args.output_range)}
+
+
+def mixed_of(vocab: int, shape: dict) -> Workload:
+    return mixed(vocab, shape["requests"], tuple(shape["prompt_range"]), tuple(shape["output_range"]))
+
+
+def mixed_line(shape: dict) -> str:
+    """The shape as a benchmark's table says it."""
+    (p0, p1), (o0, o1) = shape["prompt_range"], shape["output_range"]
+    return f"mixed workload: {shape['requests']} requests at once, prompts of {p0}-{p1} tokens, {o0}-{o1} out"
 
 
 def shared_prefix(vocab: int, num_requests: int = 16, prefix_len: int = 1500, question_len: int = 24,

@@ -22,7 +22,8 @@ _MMAP_THRESHOLD_MAX = 32 << 20  # glibc's ceiling on 64-bit hosts
 
 def keep_freed_memory() -> None:
     """Keep what a step frees for the next step instead of handing it back to the kernel (process-wide; glibc only).
-    Called once an engine holds its long-lived memory (weights, KV cache), which stays in mappings of its own.
+    Called once an engine holds its long-lived memory (weights, KV cache), which then stays in mappings of its own
+    (an engine made later in the same process takes its memory from the heap, as its steps do).
 
     glibc maps a block over its mmap threshold (which adapts, up to 32 MiB) afresh and unmaps it when freed, and
     trims the heap's free top past twice that threshold, so every step faulted its large temporaries back in, a
