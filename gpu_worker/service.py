@@ -29,12 +29,16 @@ from gpu_worker.request_clock import RequestClock
 from gpu_worker.request_codec import ReplyHistory, logprob_entries, prompt_ids, sampling_params
 from services import protocol as p
 from services import replies, streams, telemetry
+from services.asyncio_tasks import cancel_and_wait
 from services.redis_client import BLOCK_MS, UNREACHABLE, until_reachable
 from services.settings import StreamSettings, WorkerSettings
 
 log = logging.getLogger(__name__)
 
 PUBSUB_CLOSE_TIMEOUT_S = 2.0
+# A cancelled loop or request ends in well under this (a pubsub close is bounded at 2 s): one that has not lost its
+# cancellation somewhere, and the drain goes on without it rather than hold the worker past its stop deadline.
+TASK_STOP_TIMEOUT_S = 10.0
 
 
 class Worker:
@@ -54,9 +58,9 @@ class Worker:
                               ("cpu" if settings.device == "cpu" else "gpu")}
         self.inflight: dict[str, tuple[streams.Delivery, asyncio.Task]] = {}  # request id -> (its entry, its task)
         self.draining = False
-        # Set as the drain stops the background loops: a loop whose cancellation was lost inside a Redis command
-        # (seen: a heartbeat loop left "cancelling" yet sleeping and beating on, holding a drain for 15 minutes)
-        # still ends at its next turn.
+        # Set as the drain stops the background loops, which also end on it (and the read and janitor loops on
+        # `draining`) at their next turn: a cancellation can be lost in a library (one lost inside a Redis call,
+        # see `services.asyncio_tasks`, left a heartbeat loop beating on and held a drain for 15 minutes).
         self.stopping = False
         self._slot_freed = asyncio.Event()
         self._directory_stale = False
@@ -69,7 +73,7 @@ class Worker:
         await self.redis.hset(p.MODELS_KEY, self.info.name, self.info.model_dump_json())
         await self.directory.forget(self.worker_id)  # a worker id reused after a restart: its cache is empty
         await self._heartbeat()
-        loops = [asyncio.create_task(streams.restarting(loop.__name__, loop, log)) for loop in
+        loops = [asyncio.create_task(streams.restarting(loop.__name__, loop, log), name=loop.__name__) for loop in
                  (self._read_loop, self._janitor_loop, self._heartbeat_loop, self._cancel_loop)]
         await stop.wait()
         await self.drain(loops)
@@ -83,14 +87,11 @@ class Worker:
         janitor.cancel()
         if self.inflight:  # the heartbeat goes on meanwhile, keeping their entries ours
             await asyncio.wait([task for _, task in self.inflight.values()], timeout=self.settings.drain_timeout_s)
-        self.stopping = True
-        for loop in loops:  # no refresh after this point: it would undo the hand-back
-            loop.cancel()
-        await asyncio.gather(*loops, return_exceptions=True)
+        self.stopping = True  # no refresh after this point: it would undo the hand-back
+        await cancel_and_wait(loops, TASK_STOP_TIMEOUT_S, log, f"worker {self.worker_id} draining")
         leftover = dict(self.inflight)
-        for _, task in leftover.values():
-            task.cancel()
-        await asyncio.gather(*(task for _, task in leftover.values()), return_exceptions=True)
+        await cancel_and_wait((task for _, task in leftover.values()), TASK_STOP_TIMEOUT_S, log,
+                              f"worker {self.worker_id} draining")
         log.info("worker %s draining: loops stopped, %d requests to hand back", self.worker_id, len(leftover))
         await self.replies.flushed()  # the next owner resumes from what the reply streams hold
         for stream, entry_ids in _by_stream(d for d, _ in leftover.values()).items():
@@ -113,7 +114,7 @@ class Worker:
         # Again on every (re)start of this loop: after a stall past the heartbeat's TTL, others may have
         # adopted and deleted this worker's inbox.
         await self._ensure_groups()
-        while True:
+        while not self.draining:
             free = self._free_slots()
             if not free:
                 self._slot_freed.clear()
@@ -132,6 +133,8 @@ class Worker:
                     for stream in (self.shared, self.inbox)]
         while True:
             await asyncio.sleep(self.streams.janitor_interval_s)
+            if self.draining:
+                return
             if free := self._free_slots():
                 claimed = []
                 for claimer in claimers:

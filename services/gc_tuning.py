@@ -10,7 +10,8 @@ import asyncio
 import faulthandler
 import gc
 import signal
-import sys
+
+from services.asyncio_tasks import keep_cancellations, print_tasks
 
 
 def freeze_startup_objects() -> None:
@@ -19,11 +20,13 @@ def freeze_startup_objects() -> None:
 
 
 def started() -> asyncio.Event:
-    """Call once a service has started (in its event loop): freezes start-up's objects and returns an event
-    that SIGTERM or SIGINT sets, on which the service stops (draining first where it has work in hand).
+    """Call once a service has started (in its event loop): freezes start-up's objects, keeps cancellations
+    from being lost (see `keep_cancellations`) and returns an event that SIGTERM or SIGINT sets, on which the
+    service stops (draining first where it has work in hand).
     Where a service that does not stop is stuck: SIGUSR1 prints every thread's stack to stderr (from C, so also
     when the event loop itself is blocked), SIGUSR2 every asyncio task's (what each coroutine awaits)."""
     freeze_startup_objects()
+    keep_cancellations()
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -31,18 +34,3 @@ def started() -> asyncio.Event:
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGUSR2, print_tasks)
     return stop
-
-
-def print_tasks() -> None:
-    """Each task with the chain of coroutines it awaits, innermost last (a task's own stack stops at its
-    outermost coroutine)."""
-    for task in asyncio.all_tasks():
-        print(f"{task!r}", file=sys.stderr)
-        awaited = task.get_coro()
-        while awaited is not None:
-            frame = getattr(awaited, "cr_frame", None) or getattr(awaited, "gi_frame", None)
-            if frame is not None:
-                print(f'  File "{frame.f_code.co_filename}", line {frame.f_lineno}, in {frame.f_code.co_name}',
-                      file=sys.stderr)
-            awaited = getattr(awaited, "cr_await", None) or getattr(awaited, "gi_yieldfrom", None)
-    sys.stderr.flush()
