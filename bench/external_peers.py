@@ -1,8 +1,9 @@
 """Peers that live in virtual environments of their own, made on first use under the cache folder and
 never dependencies of tokenfleet: vLLM's CPU build and llama.cpp (through llama-cpp-python).
 
-Each peer runs a script from `peer_scripts/` in its environment: it reads the workloads from a JSON file, loads
-its model once and then measures whichever workload the benchmark asks for (`peer_scripts/peer_protocol.py`).
+Each peer runs a script from `peer_scripts/` in its environment: it reads its spec (the workloads, or a kernel's
+shapes) from a JSON file, loads its model once and then measures whichever reading the benchmark asks for
+(`peer_scripts/peer_protocol.py`).
 """
 
 from __future__ import annotations
@@ -87,22 +88,18 @@ def peer_python(name: str) -> Path:
 
 
 class ExternalPeer:
-    """A peer in its own environment and process, loaded once and asked for one workload at a time, so that a
-    benchmark can run it and our engine in turns. Use as a context manager; `start` raises a `PeerError` saying
-    why the peer could not start."""
+    """A peer in its own environment and process, running one of `peer_scripts/` on a spec (the JSON its script
+    reads), loaded once and asked for one reading at a time, so that a benchmark can run it and our engine in
+    turns. Use as a context manager; `start` raises a `PeerError` saying why the peer could not start."""
 
-    def __init__(self, name: str, model_dir: Path, dtype: str, b1: Workload, mix: Workload | None):
+    def __init__(self, name: str, script: str, spec: dict):
         self.name = name
         self._tmp = tempfile.TemporaryDirectory()
-        work = Path(self._tmp.name) / "workload.json"
-        work.write_text(json.dumps({
-            "model_dir": str(model_dir), "dtype": dtype, "work_dir": str(cache_dir() / "bench-peers"),
-            "threads": torch.get_num_threads(),
-            "batch1": {"prompts": b1.prompts, "output_lens": b1.output_lens},
-            "mixed": None if mix is None else {"prompts": mix.prompts, "output_lens": mix.output_lens},
-        }))
+        work = Path(self._tmp.name) / "spec.json"
+        work.write_text(json.dumps({"work_dir": str(cache_dir() / "bench-peers"), "threads": torch.get_num_threads(),
+                                    **spec}))
         self._stderr = open(Path(self._tmp.name) / "stderr", "w+")  # noqa: SIM115 - closed in close()
-        self.proc = subprocess.Popen([str(peer_python(name)), str(SCRIPTS / f"{name}_peer.py"), str(work)],
+        self.proc = subprocess.Popen([str(peer_python(name)), str(SCRIPTS / script), str(work)],
                                      env={**os.environ, **PEERS[name]["env"]}, stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self._stderr, text=True)
         try:
@@ -116,11 +113,12 @@ class ExternalPeer:
     def workloads(self) -> tuple[str, ...]:
         return PEERS[self.name]["workloads"]
 
-    def measure(self, workload: str, repeats: int = 1) -> float | list[float]:
+    def measure(self, workload: str, repeats: int = 1):
+        """The script's reading of `workload`: tokens/s for an engine's (a list of `repeats` for batch 1)."""
         with contextlib.suppress(BrokenPipeError):  # the peer has exited: `_answer` says how, from its stderr
             self.proc.stdin.write(json.dumps({"workload": workload, "repeats": repeats}) + "\n")
             self.proc.stdin.flush()
-        return self._answer()["tps"]
+        return self._answer()["reading"]
 
     def _answer(self) -> dict:
         for line in self.proc.stdout:
@@ -157,9 +155,19 @@ class PeerError(RuntimeError):
 
 
 def start(name: str, model_dir: Path, dtype: str, b1: Workload, mix: Workload | None) -> ExternalPeer:
-    """The peer, made ready; its environment is made first if need be. Any failure is a `PeerError`."""
+    """The engine peer, made ready to run the engine benchmark's workloads; its environment is made first if need
+    be. Any failure is a `PeerError`."""
+    return start_script(name, f"{name}_peer.py", {
+        "model_dir": str(model_dir), "dtype": dtype,
+        "batch1": {"prompts": b1.prompts, "output_lens": b1.output_lens},
+        "mixed": None if mix is None else {"prompts": mix.prompts, "output_lens": mix.output_lens},
+    })
+
+
+def start_script(name: str, script: str, spec: dict) -> ExternalPeer:
+    """`script` of `peer_scripts/` run in peer `name`'s environment on `spec`. Any failure is a `PeerError`."""
     try:
-        return ExternalPeer(name, model_dir, dtype, b1, mix)
+        return ExternalPeer(name, script, spec)
     except PeerError:
         raise
     except Exception as exc:

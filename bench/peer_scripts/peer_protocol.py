@@ -13,12 +13,13 @@ def say(**fields) -> None:
 
 
 def serve(version: str, handlers: dict) -> None:
-    """`handlers` maps a workload name to a function of the request returning tokens/s (a list for batch 1's
-    repeats); an error is answered, not fatal, so the benchmark can report it."""
+    """`handlers` maps a workload name to a function of the request returning its reading (an engine's tokens/s,
+    a list for batch 1's repeats; a kernel's seconds); an error is answered, not fatal, so the benchmark can report
+    it."""
     say(ready=True, version=version)
     for line in sys.stdin:
         request = json.loads(line)
         try:
-            say(tps=handlers[request["workload"]](request))
+            say(reading=handlers[request["workload"]](request))
         except Exception as exc:  # noqa: BLE001 - reported to the benchmark, which carries on without this figure
             say(error=f"{type(exc).__name__}: {exc}")
