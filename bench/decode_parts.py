@@ -45,10 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", dest="json_path", default=None)
 
 
-def _decode_metadata(context_lens: list[int], block_size: int, rng: random.Random):
+def _block_tables(context_lens: list[int], block_size: int, rng: random.Random) -> list[list[int]]:
     """Each sequence through its own blocks of a shuffled pool, as a long-running engine's are."""
-    from gpu_worker.engine.attention import AttentionMetadata
-
     need = [-(-n // block_size) for n in context_lens]
     pool = list(range(sum(need)))
     rng.shuffle(pool)
@@ -56,7 +54,7 @@ def _decode_metadata(context_lens: list[int], block_size: int, rng: random.Rando
     for n in need:
         tables.append(pool[at:at + n])
         at += n
-    return AttentionMetadata.decode_rows(tables, context_lens, block_size), sum(need)
+    return tables
 
 
 def _projections(layer) -> list:
@@ -72,6 +70,7 @@ def _seconds_per_pass(run, passes: int) -> float:
 
 def run(args: argparse.Namespace) -> dict:
     from gpu_worker.engine import LLM
+    from gpu_worker.engine.attention import AttentionMetadata
     from gpu_worker.engine.checkpoint import resolve_model_path
 
     llm = LLM(str(resolve_model_path(args.model)), dtype="bfloat16", device="cpu", enable_prefix_caching=False,
@@ -80,7 +79,8 @@ def run(args: argparse.Namespace) -> dict:
     layers = engine.runner.model.layers
     rng = random.Random(0)
     lens = [rng.randint(*args.context) for _ in range(args.rows)]
-    meta, blocks = _decode_metadata(lens, engine.config.block_size, rng)
+    tables = _block_tables(lens, engine.config.block_size, rng)
+    meta, blocks = AttentionMetadata.decode_rows(tables, lens, engine.config.block_size), sum(map(len, tables))
     caches = engine.kv_format.allocate(len(layers), blocks, engine.config.block_size, cfg.num_kv_heads,
                                        cfg.head_dim, torch.device("cpu"))
     for cache in caches:  # values as a model's: the allocation's zeros read no faster, but look nothing like them
@@ -109,7 +109,8 @@ def run(args: argparse.Namespace) -> dict:
                 "projections, one layer": project([layers[0]] * len(layers))}
     peer = None if args.peer is None else external_peers.start_script(args.peer, "vllm_attention_peer.py", {
         "rows": args.rows, "num_heads": cfg.num_heads, "num_kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
-        "block_size": VLLM_BLOCK_SIZE, "layers": len(layers), "context_lens": lens, "seed": 0})
+        "block_size": VLLM_BLOCK_SIZE, "layers": len(layers), "context_lens": lens,
+        "block_tables": _block_tables(lens, VLLM_BLOCK_SIZE, rng)})
     rounds = []
     try:
         with torch.inference_mode():

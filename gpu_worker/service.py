@@ -88,10 +88,10 @@ class Worker:
         if self.inflight:  # the heartbeat goes on meanwhile, keeping their entries ours
             await asyncio.wait([task for _, task in self.inflight.values()], timeout=self.settings.drain_timeout_s)
         self.stopping = True  # no refresh after this point: it would undo the hand-back
-        await cancel_and_wait(loops, TASK_STOP_TIMEOUT_S, log, f"worker {self.worker_id} draining")
+        stage = f"worker {self.worker_id} draining"
+        await cancel_and_wait(loops, TASK_STOP_TIMEOUT_S, log, stage)
         leftover = dict(self.inflight)
-        await cancel_and_wait((task for _, task in leftover.values()), TASK_STOP_TIMEOUT_S, log,
-                              f"worker {self.worker_id} draining")
+        await cancel_and_wait((task for _, task in leftover.values()), TASK_STOP_TIMEOUT_S, log, stage)
         log.info("worker %s draining: loops stopped, %d requests to hand back", self.worker_id, len(leftover))
         await self.replies.flushed()  # the next owner resumes from what the reply streams hold
         for stream, entry_ids in _by_stream(d for d, _ in leftover.values()).items():

