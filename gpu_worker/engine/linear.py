@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .host_memory import collapse_onto_huge_pages
 from .kernels import cpu_kernels, quant_cpu_kernels
 from .quantization.kernels import quantized_linear_kernel
 from .quantization.weights import QuantizedWeight
@@ -31,6 +33,8 @@ PACKING_BATCH_HINT = 128
 # Rows up to which `gemv_bf16` (weights read once for all rows) beats oneDNN's packed matmul: batch-1 decode, and a
 # decode step scoring 4 guesses.
 GEMV_ROWS = 5
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +69,10 @@ class OneDnnPackedLinearKernel:
             plan = self.gemv_plan
             return self.gemv.gemv_bf16(x.contiguous(), weight, plan.streams, plan.prefetch_rows)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+
+    def packed_span(self) -> tuple[int, int]:
+        """Where oneDNN keeps the packed weight: (address, bytes)."""
+        return torch.ops.mkldnn.data_ptr(self.packed), torch.ops.mkldnn._nbytes(self.packed)
 
     @staticmethod
     def supports(weight: torch.Tensor) -> bool:
@@ -169,6 +177,13 @@ class Linear(nn.Linear):
 
 
 def pack_linears(model: nn.Module, batch_invariant: bool = False) -> None:
-    for module in model.modules():
-        if isinstance(module, Linear):
-            module.pack(batch_invariant)
+    """Packs every linear's weight for its CPU kernel, oneDNN's packed copies then moved onto huge pages: in the
+    mixed workload on an AMX Xeon VM, 1.02x (0.99-1.04) over six runs alternating with an engine whose copies
+    stayed on 4 KiB pages (`collapse_onto_huge_pages`)."""
+    linears = [module for module in model.modules() if isinstance(module, Linear)]
+    for module in linears:
+        module.pack(batch_invariant)
+    packed = [m.kernel.packed_span() for m in linears if isinstance(m.kernel, OneDnnPackedLinearKernel)]
+    if packed:
+        moved = collapse_onto_huge_pages(packed)
+        log.info("oneDNN's packed weights: %d of %d MiB on huge pages", moved >> 20, sum(n for _, n in packed) >> 20)

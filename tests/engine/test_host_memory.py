@@ -1,9 +1,16 @@
-"""Host memory policy on CPU: what a step frees stays mapped for the next step."""
+"""Host memory policy on CPU: what a step frees stays mapped for the next step; what steps stream is on huge pages."""
 
+import platform
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import torch
+
+from gpu_worker.engine import linear
+from gpu_worker.engine.host_memory import collapse_onto_huge_pages
+from gpu_worker.engine.linear import Linear, onednn_packs_bf16, pack_linears
 
 # Steps that each make and free three temporaries of the given MiB, as a prefill step's MLP outputs are; prints the
 # minor page faults of six steps after the first. In a fresh interpreter: the allocator's thresholds are process-wide
@@ -35,3 +42,65 @@ def test_memory_a_step_frees_is_reused_by_later_steps_without_page_faults(mib):
     pages = 3 * (mib << 20) // 4096  # one step's temporaries
     assert _faults_after_the_first_step("default", mib) > pages  # glibc alone unmaps or trims them, then faults them in
     assert _faults_after_the_first_step("keep", mib) < pages // 2
+
+
+def _huge_kib_around(address: int) -> int:
+    """AnonHugePages of the mapping that holds `address` (/proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            start, end = (int(part, 16) for part in head.split("-"))
+            inside = start <= address < end
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1])
+    raise AssertionError(f"{address:#x} is in no mapping")
+
+
+def _collapse_supported() -> bool:
+    release = tuple(int(part) for part in platform.release().split(".")[:2] if part.isdigit())
+    try:
+        thp = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return False
+    return release >= (6, 1) and "[never]" not in thp
+
+
+needs_collapse = pytest.mark.skipif(not sys.platform.startswith("linux") or not _collapse_supported(),
+                                    reason="MADV_COLLAPSE: Linux 6.1+ with transparent huge pages on")
+
+
+@needs_collapse
+def test_collapse_moves_memory_spanning_whole_huge_pages_onto_them_and_keeps_its_values():
+    values = torch.randn(3 << 20)  # 12 MiB: at least four whole huge pages wherever it starts
+    expected = values.clone()
+    before = _huge_kib_around(values.data_ptr())
+    moved = collapse_onto_huge_pages([(values.data_ptr(), values.nbytes)])
+    assert moved >= 4 << 21
+    assert _huge_kib_around(values.data_ptr()) - before >= moved >> 10
+    assert torch.equal(values, expected)
+
+
+@needs_collapse
+def test_collapse_joins_consecutive_allocations_smaller_than_a_huge_page():
+    arena = torch.zeros(8 << 20, dtype=torch.uint8)
+    pieces = [(arena.data_ptr() + offset, (1 << 20) - 256) for offset in range(0, 8 << 20, 1 << 20)]
+    assert collapse_onto_huge_pages(pieces) >= 3 << 21  # no piece spans a huge page alone
+
+
+@needs_collapse
+@pytest.mark.skipif(not onednn_packs_bf16(), reason="oneDNN packs bf16 weights on AVX512-BF16 / AMX CPUs only")
+def test_packing_moves_every_packed_weight_onto_huge_pages(monkeypatch):
+    collapsed = []
+
+    def recording(spans):
+        collapsed.append(list(spans))
+        return collapse_onto_huge_pages(spans)
+
+    monkeypatch.setattr(linear, "collapse_onto_huge_pages", recording)
+    model = torch.nn.Sequential(Linear(2048, 2048), Linear(2048, 768)).to(torch.bfloat16)
+    pack_linears(model)
+    assert collapsed == [[model[0].kernel.packed_span(), model[1].kernel.packed_span()]]
+    address, nbytes = model[0].kernel.packed_span()
+    assert nbytes == 2048 * 2048 * 2
+    assert _huge_kib_around(address) >= 2048  # at least one whole huge page of them
