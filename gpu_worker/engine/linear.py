@@ -178,7 +178,7 @@ class Linear(nn.Linear):
 
 def pack_linears(model: nn.Module, batch_invariant: bool = False) -> None:
     """Packs every linear's weight for its CPU kernel, oneDNN's packed copies then moved onto huge pages: in the
-    mixed workload on an AMX Xeon VM, 1.02x (0.99-1.04) over six runs alternating with an engine whose copies
+    mixed workload on an AMX Xeon VM, 1.018x (0.96-1.03) over eight runs alternating with an engine whose copies
     stayed on 4 KiB pages (`collapse_onto_huge_pages`)."""
     linears = [module for module in model.modules() if isinstance(module, Linear)]
     for module in linears:
