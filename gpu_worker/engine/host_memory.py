@@ -92,7 +92,8 @@ def move_parameters_to_huge_pages_(module: torch.nn.Module) -> None:
 
 def collapse_onto_huge_pages(spans: list[tuple[int, int]]) -> int:
     """Moves memory that someone else allocated, given as (address, bytes) spans, onto huge pages where it spans
-    whole ones; returns the bytes moved (0 where the kernel cannot: before Linux 6.1, or huge pages off).
+    whole ones; returns the bytes of those now on huge pages, moved or already there (0 where the kernel cannot:
+    before Linux 6.1, or huge pages off).
 
     For oneDNN's packed weights, which every GEMM of more than a few rows streams and which its own allocation puts on
     4 KiB pages: after a decode step's attention has streamed the KV cache through the caches and the TLB, the next
