@@ -17,8 +17,8 @@ def main(path: str) -> None:
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     spec = json.loads(Path(path).read_text())
-    # Linux lets a process use AMX tiles only once it has asked the kernel for them; vLLM's engine has asked by the time
-    # its attention runs (oneDNN asks at its first bf16 matmul), this script would die of SIGILL on its "amx" ISA.
+    # Linux lets a process use AMX tiles only once it has asked the kernel for them. vLLM's engine has asked by the
+    # time its attention runs (oneDNN asks at its first bf16 matmul); without asking, this script died of SIGILL.
     torch._C._cpu._init_amx()
     torch.set_num_threads(spec["threads"])
     rows, heads, kv_heads, dim = spec["rows"], spec["num_heads"], spec["num_kv_heads"], spec["head_dim"]

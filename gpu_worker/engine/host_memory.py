@@ -22,6 +22,14 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -3, -4  # mallopt's para
 _MMAP_THRESHOLD_MAX = 32 << 20  # glibc's ceiling on 64-bit hosts
 
 
+def _libc(name: str):
+    """The C library's function `name`, or None where this process has no such library or function."""
+    try:
+        return getattr(ctypes.CDLL(None), name)
+    except (OSError, AttributeError):
+        return None
+
+
 def keep_freed_memory() -> None:
     """Keep what a step frees for the next step instead of handing it back to the kernel (process-wide; glibc only).
     Called once an engine holds its long-lived memory (weights, KV cache), which then stays in mappings of its own
@@ -35,9 +43,8 @@ def keep_freed_memory() -> None:
     afresh; with no new mappings at all they come from the heap too: that GEMM went from 391 to 429 GFLOP/s in the
     mixed workload on a Zen 4 VM. The process keeps its largest step's memory, which the next such step needs anyway
     (what vLLM-CPU gets by preloading tcmalloc)."""
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):  # not glibc: its allocator's own policy serves
+    mallopt = _libc("mallopt")
+    if mallopt is None:  # not glibc: its allocator's own policy serves
         return
     mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)
     mallopt(_M_TRIM_THRESHOLD, 2**31 - 1)
@@ -51,11 +58,8 @@ def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype)
     raw = torch.empty(nbytes + _HUGE_PAGE, dtype=torch.uint8)
     offset = -raw.data_ptr() % _HUGE_PAGE
-    try:
-        libc = ctypes.CDLL(None)
-        libc.madvise(ctypes.c_void_p(raw.data_ptr() + offset), ctypes.c_size_t(nbytes), _MADV_HUGEPAGE)
-    except (OSError, AttributeError):  # not Linux: ordinary pages serve
-        pass
+    if (madvise := _libc("madvise")) is not None:  # elsewhere ordinary pages serve
+        madvise(ctypes.c_void_p(raw.data_ptr() + offset), ctypes.c_size_t(nbytes), _MADV_HUGEPAGE)
     return raw[offset:offset + nbytes].view(dtype).view(shape)
 
 
@@ -106,9 +110,8 @@ def collapse_onto_huge_pages(spans: list[tuple[int, int]]) -> int:
             joined[-1][1] = max(joined[-1][1], start + nbytes)
         else:
             joined.append([start, start + nbytes])
-    try:
-        madvise = ctypes.CDLL(None).madvise
-    except (OSError, AttributeError):  # not Linux
+    madvise = _libc("madvise")
+    if madvise is None:  # not Linux
         return 0
     moved = 0
     for start, end in joined:
