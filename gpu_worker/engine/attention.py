@@ -255,7 +255,7 @@ class CpuPagedAttention(TorchPagedAttention):
         self.kernels.write_kv_bf16(k, v, kv_cache[0], kv_cache[1], meta.slot_blocks, meta.slot_offsets)
 
     def decode(self, q, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
-        return self.kernels.paged_decode_attention_bf16(q.contiguous(), kv_cache[0], kv_cache[1],
+        return self.kernels.paged_decode_attention_bf16(q, kv_cache[0], kv_cache[1],
                                                         meta.decode_block_tables, meta.decode_context_lens,
                                                         self.scale)
 

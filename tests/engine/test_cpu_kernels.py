@@ -177,6 +177,21 @@ def test_paged_decode_attention_matches_the_reference(kernels, heads, kv_heads, 
 
 
 @pytest.mark.parametrize("kernels", NATIVE_BUILDS)
+def test_paged_decode_attention_reads_the_queries_in_place_from_the_fused_projections_rows(kernels):
+    # q as the decode step hands it over: a view of qkv's rows, each row's keys and values after its query heads.
+    torch.manual_seed(2)
+    heads, kv_heads, head_dim, block_size, num_blocks = 12, 4, 64, 16, 200
+    kv_cache = torch.randn(2, num_blocks, kv_heads, block_size, head_dim, dtype=torch.bfloat16)
+    context_lens = [1, 17, 300, 64, 5]
+    qkv = torch.randn(len(context_lens), (heads + 2 * kv_heads) * head_dim, dtype=torch.bfloat16)
+    q = qkv[:, : heads * head_dim].view(-1, heads, head_dim)
+    meta = decode_metadata(context_lens, num_blocks, block_size)
+    attention = CpuPagedAttention(HeadLayout(heads, kv_heads, head_dim, head_dim**-0.5), kernels())
+    assert not q.is_contiguous()
+    assert torch.equal(attention.decode(q, kv_cache, meta), attention.decode(q.contiguous(), kv_cache, meta))
+
+
+@pytest.mark.parametrize("kernels", NATIVE_BUILDS)
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (16, 2, 128)])
 def test_a_decode_step_in_one_native_call_rotates_writes_and_attends_as_the_reference(kernels, heads, kv_heads,
                                                                                       head_dim):
