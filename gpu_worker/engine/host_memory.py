@@ -10,6 +10,7 @@ that asks (`madvise`) when transparent_hugepage is "madvise", as on most servers
 from __future__ import annotations
 
 import ctypes
+import errno
 import math
 
 import torch
@@ -17,6 +18,7 @@ import torch
 _HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14
 _MADV_COLLAPSE = 25  # Linux 6.1+
+_COLLAPSE_TRIES = 4
 _ADJACENT_GAP = 64 << 10  # allocator headers and alignment between consecutive allocations
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -3, -4  # mallopt's parameters
 _MMAP_THRESHOLD_MAX = 32 << 20  # glibc's ceiling on 64-bit hosts
@@ -25,7 +27,7 @@ _MMAP_THRESHOLD_MAX = 32 << 20  # glibc's ceiling on 64-bit hosts
 def _libc(name: str):
     """The C library's function `name`, or None where this process has no such library or function."""
     try:
-        return getattr(ctypes.CDLL(None), name)
+        return getattr(ctypes.CDLL(None, use_errno=True), name)
     except (OSError, AttributeError):
         return None
 
@@ -115,7 +117,18 @@ def collapse_onto_huge_pages(spans: list[tuple[int, int]]) -> int:
         return 0
     moved = 0
     for start, end in joined:
-        first, last = -(-start // _HUGE_PAGE) * _HUGE_PAGE, end // _HUGE_PAGE * _HUGE_PAGE
-        if last > first and madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_COLLAPSE) == 0:
-            moved += last - first
+        for page in range(-(-start // _HUGE_PAGE) * _HUGE_PAGE, end // _HUGE_PAGE * _HUGE_PAGE, _HUGE_PAGE):
+            moved += _HUGE_PAGE if _collapse_one(madvise, page) else 0
     return moved
+
+
+def _collapse_one(madvise, page: int) -> bool:
+    """One huge page at a time, so that one the kernel cannot collapse costs only itself. EAGAIN is a transient
+    state (a small page still pinned or off the LRU by a concurrent fault or reclaim, as on a busy 2-core host in
+    CI, where one call for the whole span once failed): it is worth a few more tries."""
+    for _ in range(_COLLAPSE_TRIES):
+        if madvise(ctypes.c_void_p(page), ctypes.c_size_t(_HUGE_PAGE), _MADV_COLLAPSE) == 0:
+            return True
+        if ctypes.get_errno() != errno.EAGAIN:
+            return False
+    return False
