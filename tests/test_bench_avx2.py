@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from bench.external_peers import llamacpp_cmake_args
+from bench.host import avx2_host_flags
 from gpu_worker.engine.kernels import AVX2_FLAGS, cpu_has
 
 
@@ -26,3 +28,10 @@ def test_bench_avx2_runs_the_native_kernels_against_the_torch_path_with_an_avx2_
         figures = result["summary"][workload]
         assert figures["native"] > 0 and figures["torch"] > 0
         assert figures["ratio_min"] <= figures["ratio"] <= figures["ratio_max"]
+
+
+def test_its_llama_cpp_peer_is_built_for_an_avx2_hosts_instruction_sets_alone():
+    zen4 = frozenset({"avx", "avx2", "fma", "f16c", "bmi2", "avx512f", "avx512vbmi", "avx512_vnni", "avx512_bf16"})
+    options = set(llamacpp_cmake_args(avx2_host_flags(zen4)).split())
+    assert {"-DGGML_NATIVE=OFF", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON"} <= options
+    assert {"-DGGML_AVX512=OFF", "-DGGML_AVX512_BF16=OFF", "-DGGML_AVX512_VNNI=OFF", "-DGGML_AVX_VNNI=OFF"} <= options
