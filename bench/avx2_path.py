@@ -68,7 +68,6 @@ def _engines(args: argparse.Namespace) -> dict:
 def run(args: argparse.Namespace) -> dict:
     _as_on_an_avx2_host()
     from gpu_worker.engine import ops
-    from gpu_worker.engine.checkpoint import resolve_model_path
     from gpu_worker.engine.loader import kernel_summary
 
     from .contestants import ours_batch1_tps, ours_mixed
@@ -84,10 +83,7 @@ def run(args: argparse.Namespace) -> dict:
         ops._native = elementwise
         ours_batch1_tps(llm, batch1(vocab, 16, 4, seed=1))
     with contextlib.ExitStack() as stack:
-        peer = None
-        if args.peer:
-            peer = stack.enter_context(external_peers.start(PEER, resolve_model_path(args.model), "bf16",
-                                                            work["batch 1"], None))
+        peer, peer_error = _start_peer(stack, args, work["batch 1"]) if args.peer else (None, None)
         rounds = []
         for r in range(args.rounds):
             order = ["native", "torch", PEER] if peer else ["native", "torch"]
@@ -105,19 +101,34 @@ def run(args: argparse.Namespace) -> dict:
             print(f"round {r + 1}/{args.rounds} done", flush=True)
         peer_label = peer.label if peer else None
     ops._native = engines["native"][1]
-    summary = {}
-    for w in workloads:
-        ratios = [f[w]["native"] / f[w]["torch"] for f in rounds]
-        summary[w] = {name: statistics.median(f[w][name] for f in rounds) for name in rounds[0][w]}
-        summary[w].update(ratio=statistics.median(ratios), ratio_min=min(ratios), ratio_max=max(ratios))
-        if PEER in rounds[0][w]:
-            to_peer = [f[w]["native"] / f[w][PEER] for f in rounds]
-            summary[w].update(peer_ratio=statistics.median(to_peer), peer_ratio_min=min(to_peer),
-                              peer_ratio_max=max(to_peer))
     return {"date": date.today().isoformat(), "model": args.model, "kv_cache_dtype": args.kv_cache_dtype,
             "native": kernel_summary(engines["native"][0].engine.runner.model),
             "torch": kernel_summary(engines["torch"][0].engine.runner.model), "peer": peer_label,
-            "rounds": rounds, "summary": summary}
+            "peer_error": peer_error, "rounds": rounds, "summary": _summary(rounds)}
+
+
+def _start_peer(stack: contextlib.ExitStack, args: argparse.Namespace, b1) -> tuple:
+    """(the llama.cpp peer, None), or (None, why it did not start): ours are measured either way."""
+    from gpu_worker.engine.checkpoint import resolve_model_path
+
+    try:
+        return stack.enter_context(external_peers.start(PEER, resolve_model_path(args.model), "bf16", b1, None)), None
+    except external_peers.PeerError as exc:
+        print(f"{PEER}: {exc}", flush=True)
+        return None, str(exc)
+
+
+def _summary(rounds: list[dict]) -> dict:
+    """Per workload: each contestant's median, and native / torch (and native / peer) per round: median [min, max]."""
+    summary = {}
+    for w in rounds[0]:
+        summary[w] = {name: statistics.median(f[w][name] for f in rounds) for name in rounds[0][w]}
+        for key, other in (("ratio", "torch"), ("peer_ratio", PEER)):
+            if other in rounds[0][w]:
+                ratios = [f[w]["native"] / f[w][other] for f in rounds]
+                summary[w].update({key: statistics.median(ratios), f"{key}_min": min(ratios),
+                                   f"{key}_max": max(ratios)})
+    return summary
 
 
 def format_table(r: dict) -> str:
@@ -127,6 +138,8 @@ def format_table(r: dict) -> str:
     peer = r.get("peer")
     if peer:
         lines.append(f"peer:   {peer}, batch 1 only")
+    elif r.get("peer_error"):
+        lines.append(f"peer:   did not run: {r['peer_error']}")
     lines += ["", "| workload | native tok/s | torch path tok/s | native / torch: median [min, max] |"
               + (" peer tok/s | native / peer: median [min, max] |" if peer else ""),
               "|---|---:|---:|---|" + ("---:|---|" if peer else "")]
