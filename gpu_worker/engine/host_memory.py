@@ -123,9 +123,9 @@ def collapse_onto_huge_pages(spans: list[tuple[int, int]]) -> int:
 
 
 def _collapse_one(madvise, page: int) -> bool:
-    """One huge page at a time, so that one the kernel cannot collapse costs only itself. EAGAIN is a transient
-    state (a small page still pinned or off the LRU by a concurrent fault or reclaim, as on a busy 2-core host in
-    CI, where one call for the whole span once failed): it is worth a few more tries."""
+    """One huge page at a time: a call over a whole span reports failure when any one of its pages cannot be
+    collapsed (in CI one such call over three pages once counted none), so that one page costs only itself. EAGAIN
+    is the kernel's word for a transient state (a small page pinned, or briefly off the LRU): worth a few tries."""
     for _ in range(_COLLAPSE_TRIES):
         if madvise(ctypes.c_void_p(page), ctypes.c_size_t(_HUGE_PAGE), _MADV_COLLAPSE) == 0:
             return True
