@@ -4,7 +4,7 @@ A decode step of 1-5 rows (batch 1, or a step scoring speculative guesses) reads
 `gemv_bf16`; how each thread walks its rows (streams a thread, rows prefetched ahead) decides how near the read
 bandwidth it gets, and can differ by CPU. Each reading runs every GEMV of the model once, as a step does (from
 DRAM where the weights exceed the L3); rounds rotate the plans' order, and each plan's speed is reported against
-the engine's plan (`GemvPlan()`) in the same round. Every plan's outputs are checked equal.
+the engine's plan for this CPU (`GemvPlan.for_cpu`) in the same round. Every plan's outputs are checked equal.
 
     tokenfleet bench gemv [--rows 1,2,3,5] [--plans 4x0,2x0,1x2,2x1] [--rounds 12]
 """
@@ -46,13 +46,13 @@ def _label(plan) -> str:
 def run(args: argparse.Namespace) -> dict:
     from gpu_worker.engine import LLM
     from gpu_worker.engine.checkpoint import resolve_model_path
-    from gpu_worker.engine.kernels import cpu_kernels
+    from gpu_worker.engine.kernels import cpu_family, cpu_kernels
     from gpu_worker.engine.linear import GemvPlan, Linear
 
     kernels = cpu_kernels()
     if kernels is None:
         raise SystemExit("bench gemv: the bf16 GEMV needs a CPU with AVX512-BF16")
-    own = GemvPlan()
+    own = GemvPlan.for_cpu(*cpu_family())
     plans = _plans(args.plans, own)
     llm = LLM(str(resolve_model_path(args.model)), dtype="bfloat16", device="cpu", enable_prefix_caching=False)
     weights = [m.weight for m in llm.engine.runner.model.modules()

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .host_memory import collapse_onto_huge_pages
-from .kernels import cpu_kernels, quant_cpu_kernels
+from .kernels import cpu_family, cpu_kernels, quant_cpu_kernels
 from .quantization.kernels import quantized_linear_kernel
 from .quantization.weights import QuantizedWeight
 
@@ -41,16 +41,24 @@ log = logging.getLogger(__name__)
 class GemvPlan:
     """How `gemv_bf16` reads each thread's share of the weight rows: as `streams` sequential streams, a row from
     each in turn, asking for each stream's row `prefetch_rows` ahead as it starts on one (0: the hardware prefetcher
-    alone). The outputs are the same bits whatever the plan.
+    alone). The outputs are the same bits whatever the plan. Measured on tokenfleet-large's GEMVs (200 MB; `tokenfleet
+    bench gemv`, bench/RESULTS.md):
 
-    The defaults won on both families, measured on tokenfleet-large's GEMVs (200 MB; `tokenfleet bench gemv`): on a
-    Zen 5 VM they read 87-94 % of the bandwidth at 1-5 rows, where four unaided streams read 81 % at one row and
-    38 % at five; on an Emerald Rapids-class AMX Xeon VM 94 % at one row and 73-86 % at 2-5, where four unaided
-    streams read 78 % and 50-66 %. (Four unaided streams had read 96 % at one row on a Sapphire Rapids-class VM,
-    two 91 %; two with the prefetch were not measured there.)"""
+    - the default, two streams with the prefetch: on a Zen 5 VM 87-94 % of the read bandwidth at 1-5 rows, where
+      four unaided streams read 81 % at one row and 38 % at five; on an Emerald Rapids-class AMX Xeon VM 94 % at one
+      row and 73-86 % at 2-5, where four unaided streams read 78 % and 50-66 %;
+    - a Zen 4 (AMD family 19h) reads faster unaided: two streams without the prefetch 1.12-1.14x the default at 1-2
+      rows, 1.02-1.03x at 3 and 5 (96 % of the read bandwidth against 85 %), and batch-1 decode 1.14x (1.03-1.47,
+      ten rounds alternating in one engine)."""
 
     streams: int = 2
     prefetch_rows: int = 2
+
+    @classmethod
+    def for_cpu(cls, vendor: str, family: int) -> GemvPlan:
+        """The plan for a CPU by its /proc/cpuinfo vendor_id and cpu family (`kernels.cpu_family`). Family 19h is
+        also Zen 3, whose bf16 linears take another kernel (no AVX512-BF16)."""
+        return cls(prefetch_rows=0) if (vendor, family) == ("AuthenticAMD", 0x19) else cls()
 
 
 class TorchLinearKernel:
@@ -62,7 +70,7 @@ class OneDnnPackedLinearKernel:
     def __init__(self, weight: torch.Tensor):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACKING_BATCH_HINT)
         self.gemv = cpu_kernels() if weight.shape[1] % 32 == 0 else None
-        self.gemv_plan = GemvPlan()
+        self.gemv_plan = GemvPlan.for_cpu(*cpu_family())
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.gemv is not None and x.shape[0] <= GEMV_ROWS and bias is None:

@@ -22,6 +22,7 @@ from gpu_worker.engine.kernels import (
     AMX_BF16_FLAGS,
     AVX2_FLAGS,
     avx2_kernels,
+    cpu_family,
     cpu_has,
     cpu_has_avx512_bf16,
     cpu_kernels,
@@ -54,7 +55,7 @@ def test_native_kernels_build_on_this_cpu():
     assert cpu_kernels() is not None, "gpu_worker/engine/kernels/cpu_kernels.cpp failed to build"
 
 
-GEMV_PLANS = [GemvPlan(), GemvPlan(4, 0), GemvPlan(1, 0), GemvPlan(3, 5)]
+GEMV_PLANS = [GemvPlan(), GemvPlan(2, 0), GemvPlan(4, 0), GemvPlan(1, 0), GemvPlan(3, 5)]
 
 
 @needs_avx512_bf16
@@ -145,12 +146,18 @@ def test_the_engine_logs_the_cpu_and_the_kernels_it_chose(make_checkpoint, caplo
     assert "linear: TorchLinearKernel x" in line and "attention: TorchPagedAttention x" in line
 
 
+def test_a_zen_4_reads_its_gemv_rows_unaided_and_the_other_cpus_with_a_prefetch_two_rows_ahead():
+    assert GemvPlan.for_cpu("AuthenticAMD", 0x19) == GemvPlan(streams=2, prefetch_rows=0)  # Zen 4
+    assert GemvPlan.for_cpu("AuthenticAMD", 0x1A) == GemvPlan(streams=2, prefetch_rows=2)  # Zen 5
+    assert GemvPlan.for_cpu("GenuineIntel", 6) == GemvPlan(streams=2, prefetch_rows=2)
+
+
 @pytest.mark.skipif(not onednn_packs_bf16(), reason="bf16 weights are packed for oneDNN only with native bf16")
 def test_the_engine_logs_how_its_bf16_gemvs_read_the_weights(make_checkpoint, caplog):
     with caplog.at_level(logging.INFO, logger="gpu_worker.engine.llm_engine"):
         LLM(str(make_checkpoint("llama")), dtype="bfloat16")
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("kernels:"))
-    plan = GemvPlan()
+    plan = GemvPlan.for_cpu(*cpu_family())
     assert f"bf16 GEMVs: {plan.streams} streams a thread, {plan.prefetch_rows} rows ahead prefetched" in line
 
 

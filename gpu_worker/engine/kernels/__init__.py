@@ -43,6 +43,12 @@ def cpu_model() -> str:
     return _cpuinfo_field("model name") or "unknown CPU"
 
 
+def cpu_family() -> tuple[str, int]:
+    """The first CPU's vendor and family as /proc/cpuinfo says them (("", 0) where it does not)."""
+    family = _cpuinfo_field("cpu family")
+    return _cpuinfo_field("vendor_id"), int(family) if family.isdigit() else 0
+
+
 @functools.cache
 def _cpuinfo_field(name: str) -> str:
     """The first CPU's `name` in /proc/cpuinfo, or ""."""
