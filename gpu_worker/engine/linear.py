@@ -46,7 +46,8 @@ class GemvPlan:
 
     - the default, two streams with the prefetch: on a Zen 5 VM 87-94 % of the read bandwidth at 1-5 rows, where
       four unaided streams read 81 % at one row and 38 % at five; on an Emerald Rapids-class AMX Xeon VM 94 % at one
-      row and 73-86 % at 2-5, where four unaided streams read 78 % and 50-66 %;
+      row and 73-86 % at 2-5, where four unaided streams read 78 % and 50-66 % (on a Sapphire Rapids-class VM
+      four unaided streams had read 96 % at one row, two 91 %; two with the prefetch were not measured there);
     - a Zen 4 (AMD family 19h) reads faster unaided: two streams without the prefetch 1.12-1.14x the default at 1-2
       rows, 1.02-1.03x at 3 and 5 (96 % of the read bandwidth against 85 %), and batch-1 decode 1.14x (1.03-1.47,
       ten rounds alternating in one engine)."""
