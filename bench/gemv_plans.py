@@ -57,6 +57,8 @@ def run(args: argparse.Namespace) -> dict:
     llm = LLM(str(resolve_model_path(args.model)), dtype="bfloat16", device="cpu", enable_prefix_caching=False)
     weights = [m.weight for m in llm.engine.runner.model.modules()
                if isinstance(m, Linear) and m.weight is not None and m.weight.shape[1] % 32 == 0]
+    if not weights:
+        raise SystemExit(f"bench gemv: {args.model} has no bf16 weights for the GEMV (its linears are quantized)")
     weight_bytes = sum(w.numel() * w.element_size() for w in weights)
     result = {"date": date.today().isoformat(), "model": args.model, "host": describe(), "own_plan": _label(own),
               "weight_bytes": weight_bytes, "rows": {}}

@@ -146,6 +146,13 @@ def test_bench_gemv_reports_every_plan_against_the_engines_own(model_dir, tmp_pa
     assert f"| 3 | {figures['own_plan']} (the engine's) |" in proc.stdout
 
 
+@pytest.mark.skipif(cpu_kernels() is None, reason="the bf16 GEMV needs AVX512-BF16")
+def test_bench_gemv_on_a_model_with_quantized_linears_says_it_has_no_bf16_weights_to_read():
+    proc = _tokenfleet("bench", "gemv", "--model", "smollm2-135m-instruct", "--rows", "1", "--rounds", "1")
+    assert proc.returncode != 0
+    assert "smollm2-135m-instruct has no bf16 weights for the GEMV (its linears are quantized)" in proc.stderr
+
+
 def test_bench_forward_reports_every_path_against_the_engines_own(model_dir, tmp_path):
     out = tmp_path / "forward.json"
     proc = _tokenfleet("bench", "forward", "--model", model_dir, "--dtype", "float32", "--prompt-len", "40",
