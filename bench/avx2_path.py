@@ -18,7 +18,7 @@ from datetime import date
 # Imported before this process's flags are narrowed: its llama.cpp recipes read the CPU's own.
 from . import external_peers
 from .host import avx2_host_flags
-from .report import publish
+from .report import in_turn, publish
 
 WORKLOADS = ("batch 1", "mixed")
 PEER = "llamacpp-avx2"
@@ -86,10 +86,8 @@ def run(args: argparse.Namespace) -> dict:
         peer, peer_error = _start_peer(stack, args, work["batch 1"]) if args.peer else (None, None)
         rounds = []
         for r in range(args.rounds):
-            order = ["native", "torch", PEER] if peer else ["native", "torch"]
-            order = order[r % len(order):] + order[:r % len(order)]  # each leads in turn
             figures = {w: {} for w in workloads}
-            for name in order:
+            for name in in_turn(["native", "torch", PEER] if peer else ["native", "torch"], r):
                 if name == PEER:
                     figures["batch 1"][PEER] = statistics.median(peer.measure("batch1"))
                     continue

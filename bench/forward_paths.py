@@ -26,7 +26,7 @@ import time
 from datetime import date
 
 from .host import describe
-from .report import publish, spread
+from .report import in_turn, publish, spread
 
 ENGINES_OWN = "bound, sampled rows"
 
@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> dict:
     readings: dict[str, dict[str, list[float]]] = {"decode": {}, "prefill": {}}
     names = list(paths)
     for r in range(args.rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        for name in in_turn(names, r):
             with paths[name]():
                 readings["decode"].setdefault(name, []).append(decode_tps())
                 readings["prefill"].setdefault(name, []).append(prefill_tps(r))

@@ -19,7 +19,7 @@ from datetime import date
 import torch
 
 from .host import describe, read_bandwidth_gbs
-from .report import publish, spread
+from .report import in_turn, publish, spread
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> dict:
         bandwidth = []
         for r in range(args.rounds):
             bandwidth.append(read_bandwidth_gbs(torch.device("cpu"), weight_bytes))
-            for plan in plans[r % len(plans):] + plans[:r % len(plans)]:
+            for plan in in_turn(plans, r):
                 started = time.perf_counter()
                 for _ in range(args.repeats):
                     every_gemv(plan)

@@ -14,6 +14,13 @@ def publish(result: dict, table: str, json_path: str | None) -> int:
     return 0
 
 
+def in_turn(contestants: list, round_index: int) -> list:
+    """The contestants' order in a round: each leads in turn, so that no one always runs first (or last) on a
+    host whose speed drifts."""
+    shift = round_index % len(contestants)
+    return contestants[shift:] + contestants[:shift]
+
+
 def spread(values: list[float]) -> str:
     """A ratio's rounds as the tables give them: median [min, max]."""
     return f"{statistics.median(values):.2f} [{min(values):.2f}, {max(values):.2f}]"

@@ -20,7 +20,7 @@ from datetime import date
 from pathlib import Path
 
 from .quant import dense_checkpoint
-from .report import publish
+from .report import in_turn, publish
 from .spec_coupling import coupling
 
 PROMPTS = Path(__file__).parent / "data" / "spec_prompts.json"
@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> dict:
         runs = {mode: [] for mode in proposers}
         modes = list(proposers)
         for r in range(args.rounds):
-            for mode in modes[r % len(modes):] + modes[:r % len(modes)]:  # each mode leads a round in turn
+            for mode in in_turn(modes, r):
                 llm.engine.scheduler.proposer = proposers[mode]
                 runs[mode].append(_serve(llm, prompts, args.max_tokens, batch))
         result["sets"][f"{name}, batch {batch}"] = {
