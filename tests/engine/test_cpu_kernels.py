@@ -184,6 +184,32 @@ def test_paged_decode_attention_matches_the_reference(kernels, heads, kv_heads, 
 
 
 @pytest.mark.parametrize("kernels", NATIVE_BUILDS)
+@pytest.mark.parametrize("loudest", ["first", "last", "rising"])
+def test_paged_decode_attention_is_as_close_to_float32_as_torchs_bf16_wherever_the_largest_scores_lie(kernels,
+                                                                                                    loudest):
+    # The AMX kernel's softmax runs over the context 32 keys at a time, rescaling what it has summed whenever a later
+    # chunk's scores top the earlier ones: keys scaled up at the start, at the end, or more with every token.
+    torch.manual_seed(7)
+    heads, kv_heads, head_dim, block_size, num_blocks = 12, 4, 64, 16, 64
+    kv_cache = torch.randn(2, num_blocks, kv_heads, block_size, head_dim)
+    context_lens = [300, 97, 33]
+    meta = decode_metadata(context_lens, num_blocks, block_size)
+    gain = {"first": torch.linspace(4, 1, 300), "last": torch.linspace(1, 4, 300),
+            "rising": torch.linspace(0.2, 3, 300)}[loudest]
+    for i, length in enumerate(context_lens):
+        for t in range(length):
+            block, offset = meta.decode_block_tables[i, t // block_size], t % block_size
+            kv_cache[0, block, :, offset] *= gain[t]
+    kv_cache = kv_cache.to(torch.bfloat16)
+    q = torch.randn(len(context_lens), heads, head_dim).to(torch.bfloat16)
+    layout = HeadLayout(heads, kv_heads, head_dim, head_dim**-0.5)
+    want = TorchPagedAttention(layout).decode(q.float(), kv_cache.float(), meta)
+    torch_bf16 = TorchPagedAttention(layout).decode(q, kv_cache, meta)
+    got = CpuPagedAttention(layout, kernels()).decode(q, kv_cache, meta)
+    assert (got.float() - want).abs().max() <= 1.5 * (torch_bf16.float() - want).abs().max() + 2e-3
+
+
+@pytest.mark.parametrize("kernels", NATIVE_BUILDS)
 def test_paged_decode_attention_reads_the_queries_in_place_from_the_fused_projections_rows(kernels):
     # q as the decode step hands it over: a view of qkv's rows, each row's keys and values after its query heads.
     torch.manual_seed(2)

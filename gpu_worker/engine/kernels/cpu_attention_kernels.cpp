@@ -1,5 +1,6 @@
 // Paged KV writes and decode attention on CPU, for a bf16 cache and an int8 one (a scale per token and head),
 // checked against their torch references in tests/engine/test_cpu_kernels.py and test_kv_cache_int8.py.
+#include <cmath>
 #include <type_traits>
 #include <vector>
 
@@ -82,6 +83,89 @@ struct QueryTiles {
 
 };
 
+// A softmax over a task's tokens 32 at a time (flash decoding's online softmax): each chunk's scores to bf16
+// probabilities relative to the running maximum, the sums so far (acc, in accumulate_values' order) rescaled when it
+// rises.
+struct OnlineSoftmax {
+  alignas(64) float scores[16 * 32];  // [head][token of the chunk]
+  alignas(64) uint16_t pairs[16 * 32];
+  float max[16], sum[16];
+  int64_t G, D;
+
+  OnlineSoftmax(int64_t heads, int64_t dim) : G(heads), D(dim) {
+    std::fill(max, max + G, -INFINITY);
+    std::fill(sum, sum + G, 0.0f);
+  }
+
+  void take(int64_t n, float* acc) {
+    const __mmask16 m0 = static_cast<__mmask16>(n >= 16 ? 0xffff : (1u << n) - 1);
+    const __mmask16 m1 = static_cast<__mmask16>(n >= 32 ? 0xffff : n > 16 ? (1u << (n - 16)) - 1 : 0);
+    for (int64_t g = 0; g < G; g++) {
+      const __m512 s0 = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), m0, scores + g * 32);
+      const __m512 s1 = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), m1, scores + g * 32 + 16);
+      const float top = std::max(max[g], _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)));
+      if (top > max[g]) {
+        const float shrink = std::exp(max[g] - top);
+        const __m512 f = _mm512_set1_ps(shrink);
+        for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(acc + g * D + d, _mm512_mul_ps(f, _mm512_loadu_ps(acc + g * D + d)));
+        sum[g] *= shrink;
+        max[g] = top;
+      }
+      const __m512 vtop = _mm512_set1_ps(top);
+      const __m512 e0 = _mm512_maskz_mov_ps(m0, exp16(_mm512_sub_ps(s0, vtop)));
+      const __m512 e1 = _mm512_maskz_mov_ps(m1, exp16(_mm512_sub_ps(s1, vtop)));
+      sum[g] += _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pairs + g * 32), (__m256i)_mm512_cvtneps_pbh(e0));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pairs + g * 32 + 16), (__m256i)_mm512_cvtneps_pbh(e1));
+    }
+  }
+};
+
+// One task (a sequence's KV head and its G query heads) with the scores on tiles, 32 tokens at a time: a chunk's keys
+// scored, its probabilities taken (OnlineSoftmax), its values summed, then the next chunk's. The keys and the values
+// stream together so, where scoring every key before reading any value had streamed one then the other: 112
+// sequences of 160-460 tokens on an AMX Xeon VM, alternating in one process, 2.20-2.34 -> 2.05-2.22 ms a layer from
+// DRAM (1.06-1.08x), the same in cache; the mixed workload 1.036x (0.98-1.07, six runs each).
+void attend_on_tiles(const QueryTiles& query_tiles, const Bf16Rows& rows, const std::vector<int64_t>& token_rows,
+                     float scale, std::vector<float>& acc, uint16_t* out) {
+  const int64_t L = static_cast<int64_t>(token_rows.size()), G = query_tiles.G, D = query_tiles.D;
+  const int64_t row_bytes = D * Bf16Rows::kBytes;
+  const auto* k_bytes = reinterpret_cast<const char*>(rows.k);
+  const auto* v_bytes = reinterpret_cast<const char*>(rows.v);
+  // One line of each 4 KiB page of keys and of values, kPageAhead tokens ahead of the tiles, into L2: the L2
+  // streamer, which does not cross pages, starts on each page then, without holding the core's few fill buffers as
+  // prefetching every line into L2 does (that slowed the kernel on a Sapphire Rapids VM: 112 sequences of 160-460
+  // tokens, 2.27 -> 2.15 ms a layer from DRAM). In the two-pass kernel: 2.26-2.39 -> 2.09-2.20 ms a layer from
+  // DRAM, two lines a page no better; 32, 96 or 128 tokens ahead no better in either.
+  const int64_t tokens_per_page = std::max<int64_t>(1, kPageBytes / row_bytes);
+  const auto touch_pages = [&](int64_t from, int64_t to) {
+    for (int64_t t = from; t < std::min(L, to); t += tokens_per_page) {
+      _mm_prefetch(k_bytes + token_rows[t] * row_bytes, _MM_HINT_T1);
+      _mm_prefetch(v_bytes + token_rows[t] * row_bytes, _MM_HINT_T1);
+    }
+  };
+  std::fill(acc.begin(), acc.end(), 0.0f);
+  OnlineSoftmax online(G, D);
+  touch_pages(0, kPageAhead);
+  for (int64_t t0 = 0; t0 < L; t0 += 32) {
+    // Into L1, the keys the tiles load next (a tile load that misses stalls); 8 or 32 tokens ahead, or the chunk's
+    // values before its keys are scored, no better.
+    for (int64_t t = t0 + kPrefetchAhead; t < std::min(L, t0 + 32 + kPrefetchAhead); t++)
+      prefetch(k_bytes + token_rows[t] * row_bytes, row_bytes);
+    touch_pages(t0 + kPageAhead, t0 + 32 + kPageAhead);
+    const int64_t n = std::min<int64_t>(32, L - t0);
+    query_tiles.score32(rows.k + token_rows[t0] * D, n > 16 ? rows.k + token_rows[t0 + 16] * D : nullptr, scale, n,
+                        online.scores, 32);
+    online.take(n, acc.data());
+    rows.accumulate_values(online.pairs, 32, t0, t0 + n, L, G, token_rows.data(), acc.data());
+  }
+  for (int64_t g = 0; g < G; g++) {
+    rows.unpermute_columns(acc.data() + g * D);
+    const float inv = 1.0f / online.sum[g];
+    for (int64_t d = 0; d < D; d++) out[g * D + d] = to_bf16(acc[g * D + d] * inv);
+  }
+}
+
 // Whether this call's bf16 scores go through tiles: Linux lets this process use them, the query groups fit a tile's
 // 16 columns, the query's dims its four tiles, and blocks hold whole tiles of keys.
 bool tiles_serve(int64_t G, int64_t D, int64_t block_size) {
@@ -123,38 +207,12 @@ torch::Tensor paged_decode(const torch::Tensor& q, const Rows& rows, int64_t KVH
       const auto row = [&](int64_t t) { return token_rows[t]; };
       const auto* k_bytes = reinterpret_cast<const char*>(rows.k);
       const auto* v_bytes = reinterpret_cast<const char*>(rows.v);
-      bool scored = false;
 #ifdef TOKENFLEET_AMX
-      // Of every line, only the keys the tiles load next are prefetched (into L1: a tile load that misses stalls):
-      // the hardware prefetcher streams a head's block (16 KiB at 128 tokens) on its own, and the per-line
-      // prefetches into L2 below, which each hold one of the core's few fill buffers for a trip to DRAM, slowed it on
-      // a Sapphire Rapids VM (112 sequences of 160-460 tokens: 2.27 -> 2.15 ms a layer from DRAM, 0.90 -> 0.74 in
-      // cache). One line a page is another matter (touch_pages).
       if constexpr (std::is_same_v<Rows, Bf16Rows>) {
         if (tiles) {
-          // One line of each 4 KiB page of keys and of values, kPageAhead tokens ahead of the tiles, into L2: the
-          // L2 streamer, which does not cross pages, starts on each page then, without holding the core's few fill
-          // buffers as prefetching every line does. 112 sequences of 160-460 tokens on a Sapphire Rapids-class
-          // VM, the two builds alternating in one process: 2.26-2.39 -> 2.09-2.20 ms a layer from DRAM, 1.10-1.12
-          // -> 1.01-1.06 in cache; two lines a page, or 32 or 128 tokens ahead, no better.
-          const int64_t tokens_per_page = std::max<int64_t>(1, kPageBytes / row_bytes);
-          const auto touch_pages = [&](int64_t from, int64_t to) {
-            for (int64_t t = from; t < std::min(L, to); t += tokens_per_page) {
-              _mm_prefetch(k_bytes + row(t) * row_bytes, _MM_HINT_T1);
-              _mm_prefetch(v_bytes + row(t) * row_bytes, _MM_HINT_T1);
-            }
-          };
           query_tiles.load(qb, G, D);
-          touch_pages(0, kPageAhead);
-          for (int64_t t0 = 0; t0 < L; t0 += 32) {
-            for (int64_t t = t0 + kPrefetchAhead; t < std::min(L, t0 + 32 + kPrefetchAhead); t++)
-              prefetch(rows.k + row(t) * D, row_bytes);
-            touch_pages(t0 + kPageAhead, t0 + 32 + kPageAhead);
-            const int64_t n = std::min<int64_t>(32, L - t0);
-            query_tiles.score32(rows.k + row(t0) * D, n > 16 ? rows.k + row(t0 + 16) * D : nullptr,
-                                static_cast<float>(scale), n, scores.data() + t0, L);
-          }
-          scored = true;
+          attend_on_tiles(query_tiles, rows, token_rows, static_cast<float>(scale), acc, batch.outputs(task));
+          continue;
         }
       }
 #endif
@@ -163,11 +221,10 @@ torch::Tensor paged_decode(const torch::Tensor& q, const Rows& rows, int64_t KVH
       // ahead of the products: the kernel had read the context at 16 GB/s on a Zen 4 where reading the same rows
       // alone ran at 24, with these at 24 (2.56 -> 1.90 ms a layer, 110 sequences of 50-760 tokens). 128 tokens
       // ahead rather than 64: 1.37-1.51 -> 1.27-1.30 ms a layer from DRAM on a Zen 5 (112 sequences of 160-460).
-      if (!scored)
-        for (int64_t t = 0; t < std::min(L, kL2Ahead); t++) prefetch<_MM_HINT_T1>(k_bytes + row(t) * row_bytes, row_bytes);
+      for (int64_t t = 0; t < std::min(L, kL2Ahead); t++) prefetch<_MM_HINT_T1>(k_bytes + row(t) * row_bytes, row_bytes);
       // Scores sixteen tokens at a time, their dot products summed together (sum16): one reduction per token
       // and head took most of the kernel's time at short contexts.
-      for (int64_t t0 = 0; !scored && t0 < L; t0 += 16) {
+      for (int64_t t0 = 0; t0 < L; t0 += 16) {
         const int64_t n = std::min<int64_t>(16, L - t0);
         int64_t r[16];
         alignas(64) float key_scale[16] = {};

@@ -75,36 +75,62 @@ struct Bf16Rows {
                             (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p + g * L + t)));
       for (; t < L; t++) pairs[g * L2 + t] = to_bf16(p[g * L + t]);
     }
+    std::fill(acc, acc + G * D, 0.0f);
+    accumulate_values(pairs.data(), L2, 0, L, L, G, token_rows, acc);
+    for (int64_t g = 0; g < G; g++) unpermute_columns(acc + g * D);
+  }
+
+  // acc (G rows of D, each 32 columns in accumulate_columns' lane order) += the value rows of tokens [begin, end)
+  // weighted by the heads' bf16 probabilities, pairs[g * stride + t - begin] for token t.
+  void accumulate_values(const uint16_t* pairs, int64_t stride, int64_t begin, int64_t end, int64_t L, int64_t G,
+                         const int64_t* token_rows, float* acc) const {
     for (int64_t g0 = 0; g0 < G; g0 += 4)
       for (int64_t d0 = 0; d0 < D; d0 += 64) {
+        const int64_t heads = std::min<int64_t>(4, G - g0);
         if (D - d0 >= 64)
-          attend_heads<2>(pairs.data() + g0 * L2, L2, L, token_rows, d0, acc + g0 * D, std::min<int64_t>(4, G - g0));
+          accumulate_heads<2>(pairs + g0 * stride, stride, begin, end, L, token_rows, d0, acc + g0 * D, heads);
         else
-          attend_heads<1>(pairs.data() + g0 * L2, L2, L, token_rows, d0, acc + g0 * D, std::min<int64_t>(4, G - g0));
+          accumulate_heads<1>(pairs + g0 * stride, stride, begin, end, L, token_rows, d0, acc + g0 * D, heads);
       }
+  }
+
+  // One head's D sums from accumulate_values' lane order to column order: lane 4k + i of each 32 columns' low pairs
+  // is column 8k + i of its 32, of the high pairs column 8k + 4 + i.
+  void unpermute_columns(float* row) const {
+    for (int64_t c = 0; c < D; c += 32) {
+      alignas(64) float low[16], high[16];
+      std::memcpy(low, row + c, sizeof low);
+      std::memcpy(high, row + c + 16, sizeof high);
+      for (int64_t k = 0; k < 4; k++)
+        for (int64_t i = 0; i < 4; i++) {
+          row[c + 8 * k + i] = low[4 * k + i];
+          row[c + 8 * k + 4 + i] = high[4 * k + i];
+        }
+    }
   }
 
   // A head count known at compile time: padding three heads (GQA 12/4) to four cost a quarter more products.
   template <int kHalves>
-  void attend_heads(const uint16_t* pairs, int64_t L2, int64_t L, const int64_t* token_rows, int64_t d0, float* acc,
-                    int64_t heads) const {
+  void accumulate_heads(const uint16_t* pairs, int64_t stride, int64_t begin, int64_t end, int64_t L,
+                        const int64_t* token_rows, int64_t d0, float* acc, int64_t heads) const {
     switch (heads) {
-      case 1: attend_columns<kHalves, 1>(pairs, L2, L, token_rows, d0, acc); break;
-      case 2: attend_columns<kHalves, 2>(pairs, L2, L, token_rows, d0, acc); break;
-      case 3: attend_columns<kHalves, 3>(pairs, L2, L, token_rows, d0, acc); break;
-      default: attend_columns<kHalves, 4>(pairs, L2, L, token_rows, d0, acc); break;
+      case 1: accumulate_columns<kHalves, 1>(pairs, stride, begin, end, L, token_rows, d0, acc); break;
+      case 2: accumulate_columns<kHalves, 2>(pairs, stride, begin, end, L, token_rows, d0, acc); break;
+      case 3: accumulate_columns<kHalves, 3>(pairs, stride, begin, end, L, token_rows, d0, acc); break;
+      default: accumulate_columns<kHalves, 4>(pairs, stride, begin, end, L, token_rows, d0, acc); break;
     }
   }
 
-  // kHeads heads' sums over columns [d0, d0 + 32 kHalves) into acc's first kHeads rows.
+  // kHeads heads' sums over columns [d0, d0 + 32 kHalves), in registers over the tokens: each 32 columns as the
+  // products of interleaved pairs leave them, the low pairs' 16 lanes then the high pairs'.
   template <int kHalves, int kHeads>
-  void attend_columns(const uint16_t* pairs, int64_t L2, int64_t L, const int64_t* token_rows, int64_t d0,
-                      float* acc) const {
-    __m512 a[kHeads][2 * kHalves];  // [head][low and high pairs of each 32 columns]
+  void accumulate_columns(const uint16_t* pairs, int64_t stride, int64_t begin, int64_t end, int64_t L,
+                          const int64_t* token_rows, int64_t d0, float* acc) const {
+    __m512 a[kHeads][2 * kHalves];
     for (int g = 0; g < kHeads; g++)
-      for (int c = 0; c < 2 * kHalves; c++) a[g][c] = _mm512_setzero_ps();
-    for (int64_t t = 0; t < L; t += 2) {
-      const int64_t r0 = token_rows[t], r1 = t + 1 < L ? token_rows[t + 1] : r0;
+      for (int c = 0; c < 2 * kHalves; c++) a[g][c] = _mm512_loadu_ps(acc + g * D + d0 + 16 * c);
+    for (int64_t t = begin; t < end; t += 2) {
+      const int64_t r0 = token_rows[t], r1 = t + 1 < end ? token_rows[t + 1] : r0;
       if (t + kPrefetchAhead + 1 < L) {
         prefetch(v + token_rows[t + kPrefetchAhead] * D + d0, 64 * kHalves);
         prefetch(v + token_rows[t + kPrefetchAhead + 1] * D + d0, 64 * kHalves);
@@ -118,7 +144,7 @@ struct Bf16Rows {
       }
       for (int g = 0; g < kHeads; g++) {
         uint32_t pair;
-        std::memcpy(&pair, pairs + g * L2 + t, 4);
+        std::memcpy(&pair, pairs + g * stride + t - begin, 4);
         const __m512bh pp = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
         for (int h = 0; h < kHalves; h++) {
           a[g][2 * h] = _mm512_dpbf16_ps(a[g][2 * h], lo[h], pp);
@@ -126,19 +152,8 @@ struct Bf16Rows {
         }
       }
     }
-    // Lane 4k + i of the low pairs is column 8k + i of its 32, of the high pairs column 8k + 4 + i.
-    for (int64_t g = 0; g < kHeads; g++)
-      for (int h = 0; h < kHalves; h++) {
-        alignas(64) float low[16], high[16];
-        _mm512_store_ps(low, a[g][2 * h]);
-        _mm512_store_ps(high, a[g][2 * h + 1]);
-        float* out = acc + g * D + d0 + 32 * h;
-        for (int64_t k = 0; k < 4; k++)
-          for (int64_t i = 0; i < 4; i++) {
-            out[8 * k + i] = low[4 * k + i];
-            out[8 * k + 4 + i] = high[4 * k + i];
-          }
-      }
+    for (int g = 0; g < kHeads; g++)
+      for (int c = 0; c < 2 * kHalves; c++) _mm512_storeu_ps(acc + g * D + d0 + 16 * c, a[g][c]);
   }
 };
 
