@@ -175,8 +175,9 @@ bool tiles_serve(int64_t G, int64_t D, int64_t block_size) {
 
 // Decode attention straight from the paged cache (paged_kv::DecodeBatch says its tasks): each (sequence, KV head)
 // reads that head's keys and values block by block through the block table, once for all query heads of its group,
-// with an exact (two-pass) softmax in fp32. The torch path first gathers every context into a padded copy, then
-// attends over the copy. Rows over [blocks, KVH, block_size].
+// with an exact (two-pass) softmax in fp32, or on AMX tiles in one pass with an online softmax (attend_on_tiles).
+// The torch path first gathers every context into a padded copy, then attends over the copy. Rows over [blocks, KVH,
+// block_size].
 template <typename Rows>
 torch::Tensor paged_decode(const torch::Tensor& q, const Rows& rows, int64_t KVH, int64_t block_size,
                            const torch::Tensor& block_tables, const torch::Tensor& context_lens, double scale) {
