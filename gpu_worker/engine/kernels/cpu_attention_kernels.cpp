@@ -49,9 +49,9 @@ struct QueryTiles {
     }
   }
 
-  // scores[g * L + i] = scale * (q_g . key i) for i < n <= 32: keys 0-15 the rows from `first`, 16-31 from `second`
-  // (each sixteen rows of one block).
-  void score32(const uint16_t* first, const uint16_t* second, float scale, int64_t n, float* scores, int64_t L) const {
+  // The products of n <= 32 keys with the query heads into accumulators 0 and 1, where the tile unit computes them
+  // while the core goes on: keys 0-15 the rows from `first`, 16-31 from `second` (each sixteen rows of one block).
+  void issue32(const uint16_t* first, const uint16_t* second, int64_t n) const {
     const bool two = n > 16;
     _tile_zero(0);
     if (two) _tile_zero(1);
@@ -67,6 +67,11 @@ struct QueryTiles {
     if (D > 64) { TOKENFLEET_ACCUMULATE(6, 64) }
     if (D > 96) { TOKENFLEET_ACCUMULATE(7, 96) }
 #undef TOKENFLEET_ACCUMULATE
+  }
+
+  // scores[g * L + i] = scale * (q_g . key i) for the n keys issue32 was given, out of the accumulators.
+  void collect32(float scale, int64_t n, float* scores, int64_t L) const {
+    const bool two = n > 16;
     alignas(64) float c[2][16 * 16];
     _tile_stored(0, c[0], 64);
     if (two) _tile_stored(1, c[1], 64);
@@ -147,16 +152,24 @@ void attend_on_tiles(const QueryTiles& query_tiles, const Bf16Rows& rows, const 
   std::fill(acc.begin(), acc.end(), 0.0f);
   OnlineSoftmax online(G, D);
   touch_pages(0, kPageAhead);
-  for (int64_t t0 = 0; t0 < L; t0 += 32) {
-    // Into L1, the keys the tiles load next (a tile load that misses stalls); 8 or 32 tokens ahead, or the chunk's
-    // values before its keys are scored, no better.
+  // A chunk's products are issued to the tile unit before the previous chunk's values are summed, so the tiles (and
+  // their key loads) work while the core sums: the same bits, 1.05x a layer from DRAM (1.04-1.13) and 1.02-1.06x in
+  // cache, alternating in one process (the mixed workload 1.000x, 0.97-1.01, six runs each). Into L1 before each
+  // issue, the keys the tiles load next (a tile load that misses stalls); 8 or 32 tokens ahead, or the chunk's values
+  // before its keys are scored, no better.
+  const auto issue = [&](int64_t t0) {
     for (int64_t t = t0 + kPrefetchAhead; t < std::min(L, t0 + 32 + kPrefetchAhead); t++)
       prefetch(k_bytes + token_rows[t] * row_bytes, row_bytes);
     touch_pages(t0 + kPageAhead, t0 + 32 + kPageAhead);
     const int64_t n = std::min<int64_t>(32, L - t0);
-    query_tiles.score32(rows.k + token_rows[t0] * D, n > 16 ? rows.k + token_rows[t0 + 16] * D : nullptr, scale, n,
-                        online.scores, 32);
+    query_tiles.issue32(rows.k + token_rows[t0] * D, n > 16 ? rows.k + token_rows[t0 + 16] * D : nullptr, n);
+  };
+  issue(0);
+  for (int64_t t0 = 0; t0 < L; t0 += 32) {
+    const int64_t n = std::min<int64_t>(32, L - t0);
+    query_tiles.collect32(scale, n, online.scores, 32);
     online.take(n, acc.data());
+    if (t0 + 32 < L) issue(t0 + 32);
     rows.accumulate_values(online.pairs, 32, t0, t0 + n, L, G, token_rows.data(), acc.data());
   }
   for (int64_t g = 0; g < G; g++) {
