@@ -212,7 +212,6 @@ torch::Tensor paged_decode(const torch::Tensor& q, const Rows& rows, int64_t KVH
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < batch.tasks(); task++) {
       const int64_t L = batch.context(task);
-      scores.resize(G * L);
       acc.resize(G * D);
       const uint16_t* qb = batch.queries(q, task);
       if constexpr (std::is_same_v<Rows, Int8Rows>)  // fp32 products with the dequantized keys
@@ -230,6 +229,7 @@ torch::Tensor paged_decode(const torch::Tensor& q, const Rows& rows, int64_t KVH
         }
       }
 #endif
+      scores.resize(G * L);  // the two-pass softmax's, over the whole context
       // Into L2 while the keys are scored: each scored token's value row, for the value pass after the softmax, and
       // the key row kL2Ahead on (the first kL2Ahead at once). The value pass then hits L2 and the key stream stays
       // ahead of the products: the kernel had read the context at 16 GB/s on a Zen 4 where reading the same rows
