@@ -14,6 +14,7 @@ do not depend on one another (`RowInvariantBf16LinearKernel`).
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import functools
 import logging
@@ -33,6 +34,9 @@ PACKING_BATCH_HINT = 128
 # Rows up to which `gemv_bf16` (weights read once for all rows) beats oneDNN's packed matmul: batch-1 decode, and a
 # decode step scoring 4 guesses.
 GEMV_ROWS = 5
+# Rows up to which `amx_linear_bf16` (kernels/amx_linear.cpp) beats oneDNN's own matmul over the same packed weight,
+# where the CPU has AMX: a decode step's rows; a prefill chunk's go to oneDNN.
+AMX_LINEAR_ROWS = 192
 
 log = logging.getLogger(__name__)
 
@@ -68,15 +72,23 @@ class TorchLinearKernel:
 
 
 class OneDnnPackedLinearKernel:
+    """oneDNN's matmul over the weight it packed for itself; a few rows by `gemv_bf16` over the plain weight, and a
+    decode step's rows on AMX over oneDNN's packed copy (`amx_tiles`) where the CPU has it."""
+
     def __init__(self, weight: torch.Tensor):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACKING_BATCH_HINT)
         self.gemv = cpu_kernels() if weight.shape[1] % 32 == 0 else None
         self.gemv_plan = GemvPlan.for_cpu(*cpu_family())
+        self.out_features = weight.shape[0]
+        self.tiles = amx_tiles(self.packed, weight, self.gemv)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.gemv is not None and x.shape[0] <= GEMV_ROWS and bias is None:
+        rows = x.shape[0]
+        if self.gemv is not None and rows <= GEMV_ROWS and bias is None:
             plan = self.gemv_plan
             return self.gemv.gemv_bf16(x.contiguous(), weight, plan.streams, plan.prefetch_rows)
+        if self.tiles is not None and rows <= AMX_LINEAR_ROWS and x.dim() == 2:
+            return self.gemv.amx_linear_bf16(x.contiguous(), self.tiles, self.out_features, bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
 
     def packed_span(self) -> tuple[int, int]:
@@ -126,6 +138,25 @@ class RowInvariantBf16LinearKernel:
 
 
 @functools.cache
+def amx_tiles(packed: torch.Tensor, weight: torch.Tensor, kernels) -> torch.Tensor | None:
+    """oneDNN's packed copy of `weight` as the flat bf16 tensor `amx_linear_bf16` reads, where this CPU's kernels have
+    it and oneDNN laid the weight out as that kernel expects ([N/32][K/32][16 input pairs][32 outputs][2], zero
+    padded: its AB16b32a2b on AMX CPUs), checked here byte for byte; else None. The view shares oneDNN's memory (held
+    by `packed`): no second copy of the weight."""
+    if kernels is None or not hasattr(kernels, "amx_linear_bf16") or not kernels.amx_usable():
+        return None
+    (n, k), blocks = weight.shape, (-(-weight.shape[0] // 32), weight.shape[1] // 32)
+    nbytes = torch.ops.mkldnn._nbytes(packed)
+    if k % 32 or nbytes != blocks[0] * blocks[1] * 1024 * 2:
+        return None
+    tiles = torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(torch.ops.mkldnn.data_ptr(packed)),
+                             dtype=torch.bfloat16)
+    padded = weight.new_zeros(blocks[0] * 32, k)
+    padded[:n] = weight.detach()
+    expected = padded.view(blocks[0], 32, blocks[1], 16, 2).permute(0, 2, 3, 1, 4)
+    return tiles if torch.equal(tiles.view(expected.shape).view(torch.int16), expected.view(torch.int16)) else None
+
+
 def onednn_packs_bf16() -> bool:
     """oneDNN packs bf16 weights only on CPUs with native bf16 support (AVX512-BF16/AMX or AVX-NE-CONVERT);
     on plain AVX2 hosts it refuses, and the reference serves."""

@@ -135,7 +135,7 @@ CPU_KERNEL_SOURCES = ("cpu_kernels.cpp", "cpu_attention_kernels.cpp", "amx_prefi
 # AVX512-BF16 alone elsewhere; and the AVX2 module for CPUs without AVX512-BF16.
 CPU_MODULE = NativeModule("tokenfleet_cpu_kernels", CPU_KERNEL_SOURCES, ("-mavx512f", "-mavx512bf16"),
                           frozenset({"avx512_bf16"}))
-CPU_AMX_MODULE = NativeModule("tokenfleet_cpu_kernels_amx", CPU_KERNEL_SOURCES,
+CPU_AMX_MODULE = NativeModule("tokenfleet_cpu_kernels_amx", (*CPU_KERNEL_SOURCES, "amx_linear.cpp"),
                               ("-mavx512f", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-DTOKENFLEET_AMX"),
                               AMX_BF16_FLAGS)
 AVX2_MODULE = NativeModule("tokenfleet_avx2_kernels", ("cpu_avx2_kernels.cpp",), ("-mavx2", "-mfma"), AVX2_FLAGS)

@@ -184,6 +184,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #ifdef TOKENFLEET_AMX
   m.def("amx_usable", &amx_permitted, "whether Linux lets this process use AMX tiles");
   m.def("prefill_attention_bf16", &prefill_attention_bf16);
+  m.def("amx_linear_bf16", &amx_linear_bf16, "y = x @ W.T (+ bias) on AMX tiles over oneDNN's packed weight");
 #else
   m.def("prefill_attention_bf16", &prefill_attention_dpbf16);
 #endif

@@ -81,6 +81,8 @@ void prefill_attention_dpbf16(const torch::Tensor& q, const torch::Tensor& k_cac
                               const torch::Tensor& context_lens, const torch::Tensor& block_tables, double scale,
                               torch::Tensor& out);
 #else
+torch::Tensor amx_linear_bf16(const torch::Tensor& x, const torch::Tensor& packed, int64_t N,
+                              const c10::optional<torch::Tensor>& bias);
 void prefill_attention_bf16(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                             const torch::Tensor& query_starts, const torch::Tensor& query_lens,
                             const torch::Tensor& context_lens, const torch::Tensor& block_tables, double scale,
