@@ -3,7 +3,9 @@
 On CPU, bf16 `F.linear` re-lays out its weight for oneDNN on every call; packing it once at load time
 (the layout inductor's CPU freezing uses) runs the same math 1.3-1.9x faster here. For a single row
 (batch-1 decode, memory-bound) our AVX512-BF16 loop in `kernels/cpu_kernels.cpp` reads weights ~1.5x
-faster still, and up to 5 rows (a decode step with speculative guesses) 1.1-1.2x. On CPUs without native bf16
+faster still, and up to 5 rows (a decode step with speculative guesses) 1.1-1.2x. On AMX CPUs a decode step's 6-192
+rows go to our tile loop (`kernels/amx_linear.cpp`), which reads oneDNN's packed copy in place: 1.05-1.4x oneDNN's
+own matmul on the same weight. On CPUs without native bf16
 products (plain AVX2), where oneDNN will not pack bf16, the weight is
 widened to float32 as it is read. The reference stays the default everywhere else and is what exactness tests
 compare against.
