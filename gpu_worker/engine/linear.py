@@ -139,7 +139,6 @@ class RowInvariantBf16LinearKernel:
                 and weight.is_contiguous() and cpu_kernels() is not None)
 
 
-@functools.cache
 def amx_tiles(packed: torch.Tensor, weight: torch.Tensor, kernels) -> torch.Tensor | None:
     """oneDNN's packed copy of `weight` as the flat bf16 tensor `amx_linear_bf16` reads, where this CPU's kernels have
     it and oneDNN laid the weight out as that kernel expects ([N/32][K/32][16 input pairs][32 outputs][2], zero
@@ -159,6 +158,7 @@ def amx_tiles(packed: torch.Tensor, weight: torch.Tensor, kernels) -> torch.Tens
     return tiles if torch.equal(tiles.view(expected.shape).view(torch.int16), expected.view(torch.int16)) else None
 
 
+@functools.cache
 def onednn_packs_bf16() -> bool:
     """oneDNN packs bf16 weights only on CPUs with native bf16 support (AVX512-BF16/AMX or AVX-NE-CONVERT);
     on plain AVX2 hosts it refuses, and the reference serves."""
