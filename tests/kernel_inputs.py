@@ -1,5 +1,5 @@
 """What the kernel tests share: the native bf16 modules this CPU can run, seeded weights, decode rows over shuffled
-block tables, and the product the int8-activation kernels are held to."""
+block tables, and the products the matmul kernels are held to."""
 
 from __future__ import annotations
 
@@ -61,6 +61,19 @@ def seeded_weight(n: int, k: int) -> torch.Tensor:
     """An [n, k] float32 weight, the same for the same shape in every test, of a trained layer's magnitude."""
     torch.manual_seed(n * 7919 + k)
     return torch.randn(n, k) * 0.05
+
+
+def assert_is_product(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    """`got` against x @ w.T (+ bias) in float64, x as the kernel saw it: fp32 summation error only in float32;
+    within bf16's rounding of the output in bfloat16."""
+    assert got.dtype == x.dtype and got.shape == (x.shape[0], w.shape[0])
+    want = x.double() @ w.double().T + (0 if bias is None else bias.double())
+    scale = x.double().abs() @ w.double().abs().T  # sum |x w|: what fp32 summation error scales with
+    tol = 1e-5 * scale + 1e-6
+    if x.dtype == torch.bfloat16:
+        tol += 2 ** -8 * want.abs()  # rounding the output: half an ulp of bf16 (2^-9 relative), with margin
+    err = (got.double() - want).abs()
+    assert (err <= tol).all(), f"max error {err.max().item():.3g} (tolerance there {tol.flatten()[err.argmax()]:.3g})"
 
 
 def quantized_x(x: torch.Tensor) -> torch.Tensor:

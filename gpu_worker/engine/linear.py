@@ -79,18 +79,18 @@ class OneDnnPackedLinearKernel:
 
     def __init__(self, weight: torch.Tensor):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACKING_BATCH_HINT)
-        self.gemv = cpu_kernels() if weight.shape[1] % 32 == 0 else None
+        self.native = cpu_kernels() if weight.shape[1] % 32 == 0 else None  # the GEMV's and the AMX matmul's module
         self.gemv_plan = GemvPlan.for_cpu(*cpu_family())
         self.out_features = weight.shape[0]
-        self.tiles = amx_tiles(self.packed, weight, self.gemv)
+        self.tiles = amx_tiles(self.packed, weight, self.native)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.shape[0]
-        if self.gemv is not None and rows <= GEMV_ROWS and bias is None:
+        if self.native is not None and rows <= GEMV_ROWS and bias is None:
             plan = self.gemv_plan
-            return self.gemv.gemv_bf16(x.contiguous(), weight, plan.streams, plan.prefetch_rows)
+            return self.native.gemv_bf16(x.contiguous(), weight, plan.streams, plan.prefetch_rows)
         if self.tiles is not None and rows <= AMX_LINEAR_ROWS and x.dim() == 2:
-            return self.gemv.amx_linear_bf16(x.contiguous(), self.tiles, self.out_features, bias)
+            return self.native.amx_linear_bf16(x.contiguous(), self.tiles, self.out_features, bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
 
     def packed_span(self) -> tuple[int, int]:
@@ -146,7 +146,8 @@ def amx_tiles(packed: torch.Tensor, weight: torch.Tensor, kernels) -> torch.Tens
     by `packed`): no second copy of the weight."""
     if kernels is None or not hasattr(kernels, "amx_linear_bf16") or not kernels.amx_usable():
         return None
-    (n, k), blocks = weight.shape, (-(-weight.shape[0] // 32), weight.shape[1] // 32)
+    n, k = weight.shape
+    blocks = (-(-n // 32), k // 32)
     nbytes = torch.ops.mkldnn._nbytes(packed)
     if k % 32 or nbytes != blocks[0] * blocks[1] * 1024 * 2:
         return None

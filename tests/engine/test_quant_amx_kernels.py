@@ -8,7 +8,7 @@ import torch
 
 from gpu_worker.engine.kernels import QUANT_AMX_FLAGS, cpu_has, quant_amx_kernels
 from gpu_worker.engine.quantization.weights import Int8Weight, quantize_int4, quantize_int8
-from tests.kernel_inputs import seeded_weight
+from tests.kernel_inputs import assert_is_product, seeded_weight
 
 # Skipped only where the CPU lacks AMX: a failed build (or Linux refusing the tiles) fails these tests.
 pytestmark = pytest.mark.skipif(not cpu_has(QUANT_AMX_FLAGS), reason="the AMX kernels need AMX-BF16")
@@ -18,23 +18,13 @@ SHAPES = [(7, 64), (33, 96), (1000, 576), (17, 1536), (32000, 256)]
 ROWS = [1, 13, 16, 17, 40, 64]
 
 
-def _assert_matches(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
-    """x (as bf16) times `w` in float64, within fp32 summation and the rounding of the bf16 output."""
-    assert got.dtype == x.dtype and got.shape == (x.shape[0], w.shape[0])
-    xb = x.bfloat16().double()
-    want = xb @ w.double().T
-    err = (got.double() - want).abs()
-    tol = 1e-5 * (xb.abs() @ w.double().abs().T) + 2 ** -8 * want.abs() + 1e-6
-    assert (err <= tol).all(), f"max error {err.max().item():.3g} (tolerance there {tol.flatten()[err.argmax()]:.3g})"
-
-
 @pytest.mark.parametrize("m", ROWS)
 @pytest.mark.parametrize(("n", "k"), SHAPES)
 def test_int8_per_channel_is_the_exact_weight_times_x(n, k, m):
     # Per channel the kernel multiplies the integers and scales the sums: the weight is exact, not rounded to bf16.
     weight = quantize_int8(seeded_weight(n, k))
     x = torch.randn(m, k).bfloat16()
-    _assert_matches(quant_amx_kernels().int8_amx_mm(x, weight.q, weight.group_scale), x, weight.dequantize())
+    assert_is_product(quant_amx_kernels().int8_amx_mm(x, weight.q, weight.group_scale), x, weight.dequantize())
 
 
 @pytest.mark.parametrize("m", [5, 40])
@@ -44,7 +34,7 @@ def test_int8_with_a_scale_per_group_of_32_matches_its_bf16_dequantization(m):
                         group_size=32)
     x = torch.randn(m, 576).bfloat16()
     got = quant_amx_kernels().int8_amx_mm(x, weight.q, weight.group_scale)
-    _assert_matches(got, x, weight.dequantize().bfloat16().float())
+    assert_is_product(got, x, weight.dequantize().bfloat16().float())
 
 
 @pytest.mark.parametrize("m", ROWS)
@@ -54,7 +44,7 @@ def test_int4_matches_its_bf16_dequantization(n, k, group_size, m):
     weight = quantize_int4(seeded_weight(n, k), group_size)
     x = torch.randn(m, k).bfloat16()
     got = quant_amx_kernels().int4_amx_mm(x, weight.packed, weight.scale.bfloat16(), weight.offset.bfloat16())
-    _assert_matches(got, x, weight.dequantize().bfloat16().float())
+    assert_is_product(got, x, weight.dequantize().bfloat16().float())
 
 
 def test_float32_x_gives_float32_y():
