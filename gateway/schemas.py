@@ -5,7 +5,17 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
 
 from services import protocol as p
 
@@ -31,19 +41,44 @@ _PROMPT = {"anyOf": [{"type": "string", "minLength": 1}, _TOKEN_IDS,  # or eithe
                      {"type": "array", "minItems": 1, "maxItems": 1, "items": _TOKEN_IDS}]}
 
 
+def _whole(number):
+    return int(number) if isinstance(number, float) and number.is_integer() else number
+
+
+# Request fields are strict, as OpenAI's: no "5" for 5, no 1 or "yes" for true (an int still is a float). But JSON's
+# 5.0 is the integer 5, as JSON Schema reads it: so does the OpenAPI document, and Schemathesis sends such integers.
+Integer = Annotated[int, BeforeValidator(_whole)]
+OptionalInteger = Annotated[int | None, BeforeValidator(_whole)]  # not `Integer | None`: its JSON schema drops bounds
+
+
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True, json_schema_extra={"anyOf": [  # as `_content`
+        {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
+        {"required": ["role", "tool_calls"], "properties": {"role": {"const": "assistant"},
+                                                             "tool_calls": {"type": "array", "minItems": 1}}},
+        {"required": ["role", "function_call"], "properties": {"role": {"const": "assistant"},
+                                                                "function_call": {"type": "object",
+                                                                                  "minProperties": 1}}}]})
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | Annotated[list[dict[str, Any]], WithJsonSchema(_TEXT_PARTS)] | None = None
+    # An assistant's calls: taken, not rendered (the chat template gets role and content); declared before
+    # `content`, whose validator reads them.
+    tool_calls: list[dict[str, Any]] | None = None
+    function_call: dict[str, Any] | None = None  # the legacy form of one tool call
+    content: str | Annotated[list[dict[str, Any]], WithJsonSchema(_TEXT_PARTS)] | None = Field(
+        default=None, validate_default=True)
 
     @field_validator("content")
     @classmethod
-    def _text_only(cls, content):
+    def _content(cls, content, info: ValidationInfo):
+        if content is None and not (info.data.get("role") == "assistant"
+                                    and (info.data.get("tool_calls") or info.data.get("function_call"))):
+            raise ValueError("expected a string or a list of text parts (null only in an assistant message "
+                             "with tool_calls)")
         if isinstance(content, list):
             if any(part.get("type") != "text" for part in content):
                 raise ValueError("only text content parts are supported")
@@ -59,21 +94,21 @@ class ChatMessage(BaseModel):
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
     model: str = Field(min_length=1, max_length=MAX_ID_CHARS)
-    max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
+    max_tokens: OptionalInteger = Field(default=None, ge=1, le=INT32_MAX)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    n: int = Field(default=1, ge=1, le=MAX_N)
+    n: Integer = Field(default=1, ge=1, le=MAX_N)
     stop: Annotated[str | list[str] | None, WithJsonSchema(_STOPS)] = None
-    seed: int | None = Field(default=None, ge=-INT64_MAX - 1, le=INT64_MAX)
+    seed: OptionalInteger = Field(default=None, ge=-INT64_MAX - 1, le=INT64_MAX)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     user: str | None = Field(default=None, max_length=MAX_ID_CHARS)
     stream: bool = False
     stream_options: StreamOptions | None = None
     # vLLM's extensions, for users who come from it
-    top_k: int = Field(default=-1, ge=-1, le=INT32_MAX)
+    top_k: Integer = Field(default=-1, ge=-1, le=INT32_MAX)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(default=1.0, gt=0.0)
     ignore_eos: bool = False
@@ -115,9 +150,9 @@ class ChatCompletionRequest(_Common):
         "if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer", "minimum": 1}}},
         "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}})
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
-    max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
+    max_completion_tokens: OptionalInteger = Field(default=None, ge=1, le=INT32_MAX)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: OptionalInteger = Field(default=None, ge=0, le=20)
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self):
@@ -140,9 +175,9 @@ class ChatCompletionRequest(_Common):
 
 
 class CompletionRequest(_Common):
-    prompt: Annotated[str | list[Annotated[int, Field(ge=0, le=INT32_MAX)]], WithJsonSchema(_PROMPT)] = Field(
+    prompt: Annotated[str | list[Annotated[Integer, Field(ge=0, le=INT32_MAX)]], WithJsonSchema(_PROMPT)] = Field(
         min_length=1)
-    logprobs: int | None = Field(default=None, ge=0, le=20)
+    logprobs: OptionalInteger = Field(default=None, ge=0, le=20)
 
     @field_validator("prompt", mode="before")
     @classmethod
