@@ -176,8 +176,6 @@ def run(args: argparse.Namespace) -> dict:
         if not wait_ready(stack.url, {m for m, _ in workers}, stack.procs, 600):
             raise RuntimeError("the stack did not become ready")
         processes = {s.name: s.proc.pid for s in stack.supervisor.services}
-        if stack.embedded is not None:
-            processes["redis (embedded)"] = stack.embedded.server.pid
         results, samples = asyncio.run(drive(stack.url, stack.api_key, workers[0][0], args, processes))
         summary = summarize(results, samples, args)
         summary.update(ledger_check(database_url, results))

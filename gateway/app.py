@@ -23,6 +23,8 @@ from gateway.admission import REFUSALS, Admission, alive_workers, in_flight, ser
 from gateway.auth import ApiKey, authenticate, register_key
 from gateway.batches import MAX_FILE_BYTES, Batches
 from gateway.budgets import Budgets, Estimator
+from gateway.deadlines import client_timeout
+from gateway.delivery_journal import DeliveryJournal, UnjournaledDeliveries
 from gateway.idempotency import Idempotency
 from gateway.relay import Relay, redis_unavailable
 from gateway.request_body import BodyLimit, load_json
@@ -86,18 +88,22 @@ class Gateway:
 
     def __init__(self, redis: aioredis.Redis, settings: GatewaySettings, tiers: RouterSettings,
                  stream_settings: StreamSettings, default_cache_mode: p.CacheMode = "off",
-                 prices: PriceTable | None = None, sla: SlaPolicy | None = None):
+                 prices: PriceTable | None = None, sla: SlaPolicy | None = None,
+                 journal: DeliveryJournal | UnjournaledDeliveries | None = None):
         self.redis, self.settings, self.default_cache_mode = redis, settings, default_cache_mode
         self.sla = sla or SlaPolicy.load()
         self.idempotency = Idempotency(redis, settings.idempotency_ttl_s)
         admission = Admission(redis, settings, tiers, stream_settings.events_max_backlog)
-        self.relay = Relay(redis, admission, self.idempotency, settings, stream_settings)
+        self.journal = journal or UnjournaledDeliveries()
+        self.relay = Relay(redis, admission, self.idempotency, settings, stream_settings, self.journal)
         prices = prices or PriceTable.load()
         self.budgets = Budgets(redis, Estimator(redis, prices, (tiers.small_model, tiers.large_model)),
                                settings.request_timeout_s)
         self.metrics = GatewayMetrics()
 
-    async def register_dev_key(self) -> None:
+    async def start(self) -> None:
+        """The dev key registered, and the requests dead gateways left open ended for their clients."""
+        self.relay.end_inherited(self.journal.inherited)
         if self.settings.dev_key:
             await register_key(self.redis, "dev", self.settings.dev_key)
 
@@ -117,6 +123,7 @@ class Gateway:
         message.cache_mode = cache_mode(req.cache, request.headers.get(CACHE_HEADER), api_key.cache_mode,
                                         self.default_cache_mode)
         message.sla_class = self._sla_class(req.sla, api_key)
+        message.deadline = message.enqueued_at + self._time_allowed(request, req, message.sla_class)
         operation = "chat" if message.kind == "chat" else "text_completion"
         attributes = {"gen_ai.operation.name": operation, "gen_ai.request.model": message.model,
                       "gen_ai.request.temperature": message.sampling.temperature,
@@ -166,6 +173,13 @@ class Gateway:
             raise RequestError(p.ErrorBody(message=f"unknown SLA class {asked!r}; one of: "
                                                    f"{', '.join(sorted(self.sla.classes))}", param="sla"))
         return asked or api_key.sla_class
+
+    def _time_allowed(self, request: Request, req, sla_class: str | None) -> float:
+        """Seconds from acceptance to the request's deadline: its SLA class's timeout (else the gateway's), or
+        the client's own where it sends a shorter one (`client_timeout`)."""
+        allowed = self.sla.of(sla_class).timeout_s or self.settings.request_timeout_s
+        client = client_timeout(request.headers, req.stream)
+        return allowed if client is None else min(allowed, client)
 
     async def chat_completions(self, request: Request) -> Response:
         return await self.generate(request, ChatCompletionRequest)
@@ -239,12 +253,14 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
 def create_app(redis: aioredis.Redis, settings: GatewaySettings, tiers: RouterSettings,
                stream_settings: StreamSettings, default_cache_mode: p.CacheMode = "off",
                prices: PriceTable | None = None, sla: SlaPolicy | None = None,
-               submit_batch: Callable[[str], Awaitable[None]] | None = None) -> FastAPI:
+               submit_batch: Callable[[str], Awaitable[None]] | None = None,
+               journal: DeliveryJournal | UnjournaledDeliveries | None = None) -> FastAPI:
     """`prices`: the table budgets are estimated with (the ledger's); None: the shipped default.
     `sla`: the SLA classes requests may name; None: the default ones. `submit_batch(batch_id)`: starts the job
-    that runs a new batch (gateway/batches.py `celery_submitter`); None: batches are recorded, never run."""
-    gateway = Gateway(redis, settings, tiers, stream_settings, default_cache_mode, prices, sla)
-    app = FastAPI(title="tokenfleet gateway", on_startup=[gateway.register_dev_key])
+    that runs a new batch (gateway/batches.py `celery_submitter`); None: batches are recorded, never run.
+    `journal`: where what each client got is kept across a crash (`gateway.delivery_journal`); None: nowhere."""
+    gateway = Gateway(redis, settings, tiers, stream_settings, default_cache_mode, prices, sla, journal)
+    app = FastAPI(title="tokenfleet gateway", on_startup=[gateway.start])
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes,
                        max_bytes_by_path={"/v1/files": MAX_FILE_BYTES + (1 << 20)})  # + the multipart envelope
     app.add_middleware(RequestStamp, metrics=gateway.metrics)  # outermost: it counts the 413s too

@@ -12,7 +12,7 @@ Redis, per key hash H:
   tf:rl:H:<minute start>        hash  requests, tokens                      expires 2 minutes after its start
   tf:budget:H:<period>          hash  spent, reserved, r:<request id>       expires its period's end + margin
   tf:budget:H:<period>:open     zset  request id -> sweep deadline           (same)
-  tf:budget:res:<request id>    hash  key, period, amount, state             expires after RECORD_TTL_S
+  tf:budget:res:<request id>    hash  key, period, amount, state, charged    expires after RECORD_TTL_S
 A reservation never settled (its gateway or worker died, its event was lost) is swept lazily: the next
 admission of that key and period returns its amount once its deadline (the request's timeout +
 RESERVATION_MARGIN_S) passed. Only an admission reads `reserved`, so sweeping there is enough and needs no
@@ -87,12 +87,22 @@ end
 return 0
 """
 
-# settle: return the reservation (unless swept), charge the actual cost, forget the record (a repeat finds
-# nothing). release: return the reservation but keep the record, marked, so that a request released in doubt
-# (the gateway lost Redis while enqueueing it) that did run after all is still charged when it is settled.
+# settle: return the reservation (unless swept), charge the actual cost, and keep the record as settled with what
+# it charged: a repeat with the same cost changes nothing, and a lower one (the row was cut to what its client got)
+# gives the difference back. release: return the reservation but keep the record, marked, so that a request
+# released in doubt (the gateway lost Redis while enqueueing it) that did run after all is still charged when it is
+# settled.
 _CLOSE = """
 local state = redis.call('HGET', KEYS[1], 'state')
-if not state or (ARGV[1] == 'release' and state == 'released') then return -1 end
+if not state or (ARGV[1] == 'release' and (state == 'released' or state == 'settled')) then return -1 end
+local actual = tonumber(ARGV[2])
+if state == 'settled' then
+  local charged = tonumber(redis.call('HGET', KEYS[1], 'charged') or '0')
+  if actual == charged then return -1 end
+  if redis.call('EXISTS', KEYS[2]) == 1 then redis.call('HINCRBY', KEYS[2], 'spent', actual - charged) end
+  redis.call('HSET', KEYS[1], 'charged', actual)
+  return 0
+end
 local amount = 0
 if state == 'open' and redis.call('ZREM', KEYS[3], ARGV[3]) == 1 then
   amount = tonumber(redis.call('HGET', KEYS[2], 'r:' .. ARGV[3]) or '0')
@@ -103,10 +113,10 @@ if ARGV[1] == 'release' then
   redis.call('HSET', KEYS[1], 'state', 'released')
   return amount
 end
-if tonumber(ARGV[2]) > 0 and redis.call('EXISTS', KEYS[2]) == 1 then
-  redis.call('HINCRBY', KEYS[2], 'spent', ARGV[2])
+if actual > 0 and redis.call('EXISTS', KEYS[2]) == 1 then
+  redis.call('HINCRBY', KEYS[2], 'spent', actual)
 end
-redis.call('DEL', KEYS[1])
+redis.call('HSET', KEYS[1], 'state', 'settled', 'charged', actual)
 return amount
 """
 
@@ -217,8 +227,9 @@ async def _close(redis: aioredis.Redis, request_id: str, mode: str, actual: int)
 
 
 async def settle(redis: aioredis.Redis, request_id: str, actual_usd: float) -> bool:
-    """Replaces the request's reservation with its actual cost, in the period it was reserved in. False (and
-    nothing changes) for a request already settled, or unknown: from a key without a budget, or expired."""
+    """Replaces the request's reservation with its actual cost, in the period it was reserved in; settled again
+    with another cost (its ledger row was cut), charges the difference. False (and nothing changes) for a request
+    settled already at that cost, or unknown: from a key without a budget, or expired."""
     return await _close(redis, request_id, "settle", _units(actual_usd)) is not None
 
 

@@ -73,8 +73,8 @@ class Worker:
         await self.redis.hset(p.MODELS_KEY, self.info.name, self.info.model_dump_json())
         await self.directory.forget(self.worker_id)  # a worker id reused after a restart: its cache is empty
         await self._heartbeat()
-        loops = [asyncio.create_task(streams.restarting(loop.__name__, loop, log), name=loop.__name__) for loop in
-                 (self._read_loop, self._janitor_loop, self._heartbeat_loop, self._cancel_loop)]
+        loops = [asyncio.create_task(streams.restarting(loop.__name__, loop, log, self.redis), name=loop.__name__)
+                 for loop in (self._read_loop, self._janitor_loop, self._heartbeat_loop, self._cancel_loop)]
         await stop.wait()
         await self.drain(loops)
 
@@ -191,6 +191,9 @@ class Worker:
             if history.closed:
                 await self.redis.xack(delivery.stream, p.WORKER_GROUP, delivery.entry_id)
                 return
+            if request.expired():  # nobody waits for it any more: never started
+                await self._expire(delivery, request, history.usage())
+                return
             attributes = {"gen_ai.request.model": self.info.name, "tokenfleet.worker": self.worker_id,
                           "tokenfleet.request_id": rid}
             with telemetry.hop(f"generate {self.info.name}", request.traceparent, attributes=attributes) as span:
@@ -201,8 +204,10 @@ class Worker:
         except Exception as exc:  # one request's failure is its own: reported, acknowledged, never retried
             log.exception("request %s failed", rid)
             error = p.ErrorBody(message=f"worker error: {exc}", type="server_error", status=500)
+            await self.replies.flushed()  # its client gets every token published before the error: billed
+            usage = ReplyHistory.of(await replies.reply_history(self.redis, rid)).usage()
             await self._close(delivery, request, [p.ReplyChunk(kind="error", error=error, worker_id=self.worker_id)],
-                              self._abandoned(request, "error"))
+                              self._abandoned(request, "error", usage))
 
     async def _generate(self, delivery: streams.Delivery, request: p.GenerateRequest, history: ReplyHistory) -> None:
         rid, engine = request.request_id, self.engine.engine
@@ -227,7 +232,16 @@ class Worker:
         resume = history.resume(params.n)
         last = None
         if resume != []:  # [] : every sample had finished before the last worker died
-            last = await self._relay(rid, ids, params, resume, request, positions, finish_reasons, clock)
+            try:
+                async with asyncio.timeout_at(_loop_time(request.deadline)) as limit:
+                    last = await self._relay(rid, ids, params, resume, request, positions, finish_reasons, clock)
+            except TimeoutError:
+                if not limit.expired():
+                    raise
+                # stopped where it ran (leaving the engine frees its blocks); billed what was sent
+                await self._expire(delivery, request, p.Usage(prompt_tokens=len(ids),
+                                                              completion_tokens=sum(positions.values())))
+                return
         usage = p.Usage(prompt_tokens=len(ids), completion_tokens=sum(positions.values()),
                         cached_tokens=last.num_cached_tokens if last else 0,
                         draft_tokens=last.num_draft_tokens if last else 0,
@@ -294,6 +308,11 @@ class Worker:
         if outcome is streams.Outcome.VETOED:
             await self._abandon(delivery, request, "cancelled")
         self.inflight.pop(rid, None)  # acknowledged: no longer ours to refresh (a cache fill may follow)
+
+    async def _expire(self, delivery: streams.Delivery, request: p.GenerateRequest, usage: p.Usage) -> None:
+        """Its deadline passed: its client told so, its row says `expired`, billed `usage` (what was sent)."""
+        error = p.ReplyChunk(kind="error", error=p.deadline_exceeded(), worker_id=self.worker_id)
+        await self._close(delivery, request, [error], self._abandoned(request, "expired", usage))
 
     # ---- liveness and cancellation --------------------------------------------------------------------
 
@@ -372,11 +391,16 @@ class Worker:
         it got (a cancelled stream's tokens were computed and sent; the ledger counts them). Once: a request that
         finished as the cancel came, or that the other path (the task's own, the cancel loop's) abandoned
         already, keeps the event it has."""
-        history = ReplyHistory.of(await replies.reply_history(self.redis, request.request_id))
-        usage = p.Usage(prompt_tokens=history.started.prompt_tokens or 0 if history.started else 0,
-                        completion_tokens=history.completion_tokens())
+        usage = ReplyHistory.of(await replies.reply_history(self.redis, request.request_id)).usage()
+        if status == "cancelled" and request.expired():  # its gateway stopped waiting at the deadline
+            status = "expired"
         await streams.ack_then_add(self.redis, delivery.stream, p.WORKER_GROUP, delivery.entry_id,
                                    [streams.Addition(p.EVENTS_STREAM, self._abandoned(request, status, usage))])
+
+
+def _loop_time(deadline: float | None) -> float | None:
+    """An epoch deadline on the event loop's clock (None: none)."""
+    return None if deadline is None else asyncio.get_running_loop().time() + (deadline - time.time())
 
 
 def _cache_result(request: p.GenerateRequest) -> str | None:

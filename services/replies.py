@@ -4,6 +4,8 @@ worker's coalescing publisher, and the cancel signal that travels the other way.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
@@ -26,16 +28,16 @@ def signal_cancel(pipe, request_id: str, settings: StreamSettings) -> None:
 
 
 # A client's request ends short of its response (see `end_for_client`). KEYS: reply stream, cancel key, events
-# stream. ARGV: field, ttl, the error chunk, the cut, the cancel channel, the request id.
+# stream, delivered key. ARGV: field, ttl, the error chunk, the cut, the cancel channel, the request id, the
+# delivered count, its ttl.
 _END_FOR_CLIENT = """
+redis.call('SET', KEYS[4], ARGV[7], 'EX', ARGV[8])
+redis.call('XADD', KEYS[3], '*', ARGV[1], ARGV[4])
 local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
 if #last == 1 then
   local fields = last[1][2]
   for i = 1, #fields, 2 do
-    if fields[i] == ARGV[1] and cjson.decode(fields[i + 1])['kind'] == 'finished' then
-      redis.call('XADD', KEYS[3], '*', ARGV[1], ARGV[4])
-      return 'cut'
-    end
+    if fields[i] == ARGV[1] and cjson.decode(fields[i + 1])['kind'] == 'finished' then return 'cut' end
   end
 end
 redis.call('SET', KEYS[2], 1, 'EX', ARGV[2])
@@ -46,16 +48,20 @@ return 'cancelled'
 """
 
 
-async def end_for_client(redis: aioredis.Redis, request_id: str, error: p.ErrorBody, settings: StreamSettings) -> str:
-    """The client will not get the rest of a request's response (it left, or its gateway stopped waiting), in one
-    atomic step: a request still running is cancelled (`signal_cancel`) and its reply stream closed with `error`
-    for anyone else following it; one its worker finished already gets a `DeliveryCut` on the events stream, so
-    its ledger row says `cancelled`. A worker's finish is vetoed by the cancel key (`streams.ack_then_add`), so of
-    the two, whichever lands first decides. Returns "cancelled" or "cut"."""
-    chunk, cut = p.ReplyChunk(kind="error", error=error), p.DeliveryCut(request_id=request_id)
-    return await redis.eval(_END_FOR_CLIENT, 3, p.reply_stream(request_id), p.cancel_key(request_id),
-                            p.EVENTS_STREAM, p.FIELD, settings.reply_ttl_s, chunk.encode()[p.FIELD],
-                            cut.encode()[p.FIELD], p.CANCEL_CHANNEL, request_id)
+async def end_for_client(redis: aioredis.Redis, request_id: str, error: p.ErrorBody, delivered_tokens: int,
+                         settings: StreamSettings) -> str:
+    """The client got `delivered_tokens` completion tokens and will not get the rest of a request's response (it
+    left, or its gateway stopped waiting, or died), in one atomic step: the count goes to the ledger (a
+    `DeliveryCut`, and `p.delivered_key` for an event not written yet), and a request still running is cancelled
+    (`signal_cancel`) and its reply stream closed with `error` for anyone else following it. A worker's finish is
+    vetoed by the cancel key (`streams.ack_then_add`), so of the two, whichever lands first decides whether the
+    request was cancelled or finished ("cut", returned then; else "cancelled")."""
+    chunk = p.ReplyChunk(kind="error", error=error)
+    cut = p.DeliveryCut(request_id=request_id, delivered_tokens=delivered_tokens)
+    return await redis.eval(_END_FOR_CLIENT, 4, p.reply_stream(request_id), p.cancel_key(request_id),
+                            p.EVENTS_STREAM, p.delivered_key(request_id), p.FIELD, settings.reply_ttl_s,
+                            chunk.encode()[p.FIELD], cut.encode()[p.FIELD], p.CANCEL_CHANNEL, request_id,
+                            delivered_tokens, p.DELIVERED_TTL_S)
 
 
 # A chunk for a request's reply stream, unless the request was cancelled (its cancel key is set): a worker's delta
@@ -146,27 +152,50 @@ async def reply_history(redis: aioredis.Redis, request_id: str) -> list[tuple[st
     return [(entry_id, p.decode(p.ReplyChunk, fields)) for entry_id, fields in entries]
 
 
+async def _by(hard: float, work: Awaitable[T]) -> T:
+    """`work`, cut off with asyncio's TimeoutError at the monotonic time `hard` (math.inf: never)."""
+    return await asyncio.wait_for(work, None if hard == math.inf else max(0.0, hard - time.monotonic()))
+
+
+async def _read(redis: aioredis.Redis, key: str, last_id: str, block_ms: int, hard: float, outage: Outage):
+    """One blocking read of a reply stream; None when it timed out, or Redis failed (and answers again) first."""
+    try:
+        reply = await _by(hard, redis.xread({key: last_id}, block=block_ms))
+    except TimeoutError:  # asyncio's: Redis did not answer before the deadline
+        return None
+    except RECONNECTING as exc:
+        with contextlib.suppress(TimeoutError):
+            await _by(hard, outage.wait(redis, exc))
+        return None
+    outage.over()
+    return reply
+
+
+class DeadlineExceeded(TimeoutError):
+    """The request's deadline (`GenerateRequest.deadline`) passed before its reply ended."""
+
+
 async def follow_replies(redis: aioredis.Redis, request_id: str, timeout_s: float, last_id: str = "0-0",
-                         outage_s: float = 60.0) -> AsyncIterator[p.ReplyChunk]:
+                         outage_s: float = 60.0, deadline: float | None = None) -> AsyncIterator[p.ReplyChunk]:
     """Reply chunks as they arrive, each choice's tokens exactly once (a resumed worker may repeat what
-    the dead one published; positions tell). Ends after "finished" or "error"; TimeoutError if silent.
+    the dead one published; positions tell). Ends after "finished" or "error"; TimeoutError if silent for
+    `timeout_s`, DeadlineExceeded once `deadline` (seconds since the epoch) passes, whatever Redis is doing.
     An unreachable Redis is waited out for `outage_s` (the reading resumes where it stopped, and the worker
     resumes from what the stream holds), then its error is raised."""
     key, next_position, outage = p.reply_stream(request_id), {}, Outage(outage_s)
-    deadline = time.monotonic() + timeout_s
+    silent_until = time.monotonic() + timeout_s
+    hard = math.inf if deadline is None else time.monotonic() + (deadline - time.time())
     while True:
-        wait_ms = int(max(1.0, (deadline - time.monotonic()) * 1000))
-        try:
-            reply = await redis.xread({key: last_id}, block=min(wait_ms, BLOCK_MS))
-        except RECONNECTING as exc:
-            await outage.wait(redis, exc)
-            continue
-        outage.over()
+        now = time.monotonic()
+        if now >= hard:
+            raise DeadlineExceeded(f"the deadline of request {request_id} passed")
+        wait_ms = int(max(1.0, (min(silent_until, hard) - now) * 1000))
+        reply = await _read(redis, key, last_id, min(wait_ms, BLOCK_MS), hard, outage)
         if not reply:
-            if time.monotonic() >= deadline:
+            if time.monotonic() >= silent_until:
                 raise TimeoutError(f"no reply for request {request_id} within {timeout_s:.0f} s")
             continue
-        deadline = time.monotonic() + timeout_s
+        silent_until = time.monotonic() + timeout_s
         for entry_id, fields in reply[0][1]:
             last_id = entry_id
             chunk = p.decode(p.ReplyChunk, fields)

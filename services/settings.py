@@ -58,6 +58,12 @@ class GatewaySettings(BaseSettings):
     dev_key: str | None = None  # registered at start-up when set (`tokenfleet up` sets one)
     max_body_bytes: int = 4 << 20  # a request body past this is refused (413) before it is read whole
     batch_completion_window_s: int = 24 * 3600  # a batch unfinished this long after its creation expires ("24h")
+    # What each client got, kept until its outcome is in Redis (gateway/delivery_journal.py): a gateway that starts
+    # ends what dead gateways left open there. Unset: gateway-journal/ in TOKENFLEET_CACHE_DIR.
+    journal_dir: str | None = None
+
+    def journal_path(self) -> Path:
+        return Path(self.journal_dir) if self.journal_dir else cache_dir() / "gateway-journal"
 
 
 class RouterSettings(BaseSettings):

@@ -1,5 +1,5 @@
-"""`tokenfleet up`: the whole stack as local processes on embedded defaults, each restarted if it exits
-(services/supervisor.py), all stopped cleanly on Ctrl-C."""
+"""`tokenfleet up`: the whole stack as local processes on embedded defaults (Redis one of them), each restarted if
+it fails (services/supervisor.py), all stopped cleanly on Ctrl-C."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -18,14 +19,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services import first_start
-from services.redis_client import EmbeddedRedis
+from services.redis_client import KeptRedis
 from services.settings import GatewaySettings, RedisSettings, RouterSettings, WorkerSettings, cache_dir
-from services.supervisor import Service, Supervisor
+from services.supervisor import Service, StartFailed, Supervisor
 
 # The local stack's max_tokens for requests that set none: a reply, not the rest of an 8k context.
 LOCAL_MAX_TOKENS = 256
 STATE_FILE = "stack.json"  # in the cache directory while `tokenfleet up` runs
 PROGRESS_EVERY_S = 15.0  # how often `tokenfleet up` says what it still waits for
+SOCKET_PATH_MAX = 107  # bytes of a unix socket's path (Linux's sun_path, less its terminating NUL)
 
 
 def waiting_for(url: str, models: set[str]) -> list[str]:
@@ -68,8 +70,9 @@ class LocalStack:
     api_key: str
     redis_url: str
     supervisor: Supervisor
-    embedded: EmbeddedRedis | None
+    embedded: KeptRedis | None  # its own Redis, one of the supervisor's services, when REDIS_URL is unset
     env: dict[str, str]  # what every service was started with
+    scratch: tempfile.TemporaryDirectory | None  # the embedded Redis's directory, when it keeps nothing
 
     @property
     def procs(self) -> list[subprocess.Popen]:
@@ -78,9 +81,9 @@ class LocalStack:
     def stop(self) -> None:
         try:
             self.supervisor.stop()
-        finally:  # a second Ctrl-C during the drain must not leave the Redis running
-            if self.embedded is not None:
-                self.embedded.close()
+        finally:
+            if self.scratch is not None:
+                self.scratch.cleanup()
 
 
 def local_dev_key() -> str:
@@ -97,11 +100,12 @@ def start(host: str, port: int, workers: list[tuple[str, str]], env: dict[str, s
           worker_env: dict[str, str] | None = None, log_dir: Path | None = None,
           redis_dir: Path | None = None) -> LocalStack:
     """Gateway, router, accounting, its Celery worker and a worker process per (model, tier), on REDIS_URL or an
-    embedded Redis (kept in `redis_dir`, else disposable).
+    embedded Redis, started first and supervised like them (kept in `redis_dir`, else in a temporary directory).
     `env` goes to every process, `worker_env` to the workers on top of it; each process's output goes to its
     own file in `log_dir` when given."""
     redis_url = RedisSettings().redis_url
-    embedded = None if redis_url else EmbeddedRedis(redis_dir)
+    scratch = None if redis_url or redis_dir else tempfile.TemporaryDirectory(prefix="tokenfleet-redis-")
+    embedded = None if redis_url else embedded_redis(Path(redis_dir or scratch.name))
     redis_url = redis_url or embedded.url
     key = GatewaySettings().dev_key or local_dev_key()
     env = {"TOKENFLEET_ACCOUNTING_PORT": str(port + 1), "TOKENFLEET_WORKER_DEFAULT_MAX_TOKENS": str(LOCAL_MAX_TOKENS),
@@ -111,9 +115,10 @@ def start(host: str, port: int, workers: list[tuple[str, str]], env: dict[str, s
     # thread pool spin-waits, and two pools on the same cores slow both and the gateway with them).
     threads = env.get("OMP_NUM_THREADS") or str(max(1, len(os.sched_getaffinity(0)) // len(workers)))
     workers_env = {**env, "OMP_NUM_THREADS": threads, **(worker_env or {})}
-    services = [Service("gateway", cli + ["gateway", "--host", host, "--port", str(port)], env),
-                Service("router", cli + ["router"], env), Service("accounting", cli + ["accounting"], env),
-                Service("celery", cli + ["celery"], env)]
+    services = [_redis_service(embedded)] if embedded else []
+    services += [Service("gateway", cli + ["gateway", "--host", host, "--port", str(port)], env),
+                 Service("router", cli + ["router"], env), Service("accounting", cli + ["accounting"], env),
+                 Service("celery", cli + ["celery"], env)]
     services += [Service(f"worker {model} ({tier})", cli + ["worker", "--model", model, "--tier", tier], workers_env)
                  for model, tier in workers]
     for service in services if log_dir is not None else ():
@@ -122,12 +127,37 @@ def start(host: str, port: int, workers: list[tuple[str, str]], env: dict[str, s
     try:
         supervisor.start()
     except BaseException:  # e.g. Ctrl-C while it starts: nothing it started is left behind
-        LocalStack("", key, redis_url, supervisor, embedded, env).stop()
+        LocalStack("", key, redis_url, supervisor, embedded, env, scratch).stop()
         raise
-    return LocalStack(f"http://{host}:{port}", key, redis_url, supervisor, embedded, env)
+    return LocalStack(f"http://{host}:{port}", key, redis_url, supervisor, embedded, env, scratch)
+
+
+def embedded_redis(directory: Path) -> KeptRedis:
+    """The stack's own Redis, kept in `directory`, ready to start. One still answering there outlived a stack that
+    was killed (no stack runs from this directory): it is stopped, saving, so that two servers never write the same
+    append-only file."""
+    redis = KeptRedis(directory)
+    if len(bytes(redis.socket)) > SOCKET_PATH_MAX:  # the server would listen on a cut path, and never answer
+        raise StartFailed(f"the path of Redis's socket, {redis.socket}, is too long for a unix socket; set "
+                          "TOKENFLEET_CACHE_DIR to a shorter directory")
+    directory.mkdir(parents=True, exist_ok=True)
+    if redis.answers():
+        redis.shutdown()
+    return redis
+
+
+def _redis_service(redis: KeptRedis) -> Service:
+    # Out of the console's process group: a Ctrl-C reaches it through the supervisor, once the services that
+    # need it to drain (handing back their work) have stopped.
+    return Service("redis", redis.command(), dict(os.environ), ready=redis.answers, stop=redis.shutdown,
+                   own_session=True)
 
 
 def _interrupt(signum, frame) -> None:
+    """The first Ctrl-C or SIGTERM stops the stack; later ones are ignored, so that the stop runs to its end (the
+    supervisor bounds it) and Redis, stopped last, is not left running."""
+    for each in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(each, signal.SIG_IGN)
     raise KeyboardInterrupt
 
 
@@ -143,41 +173,34 @@ def port_free(host: str, port: int) -> bool:
 
 def up(host: str, port: int, workers: list[tuple[str, str]], ready_timeout_s: float = 600.0,
        console_logs: bool = False) -> int:
-    """`workers`: (model, tier) pairs, one worker process each. A service that exits is restarted; Ctrl-C or
+    """`workers`: (model, tier) pairs, one worker process each. A service that fails is restarted; Ctrl-C or
     SIGTERM (a service manager, `kill`) stops them all, each draining as on its own SIGTERM. Each service's
     output goes to its own file in the cache directory's `logs/`, or to the console with `console_logs`."""
     finance_port = int(os.environ.get("TOKENFLEET_ACCOUNTING_PORT") or port + 1)
     if refusal := _cannot_start(host, port, finance_port):
         print(f"tokenfleet: {refusal}", file=sys.stderr)
         return 1
-    signal.signal(signal.SIGTERM, _interrupt)
+    for signum in (signal.SIGINT, signal.SIGTERM):  # whatever it inherited: a script may have started it ignoring
+        signal.signal(signum, _interrupt)
     log_dir = None if console_logs else cache_dir() / "logs"
     models = sorted({model for model, _ in workers})
     try:
         first_start.prepare(models, WorkerSettings())
+        print(f"tokenfleet: starting the gateway, router, accounting, Celery and {len(workers)} worker(s) "
+              f"({', '.join(models)})" + (f"; logs in {log_dir}" if log_dir else ""), flush=True)
+        stack = start(host, port, workers, env={"TOKENFLEET_ACCOUNTING_PORT": str(finance_port)}, log_dir=log_dir,
+                      redis_dir=cache_dir() / "redis")
     except KeyboardInterrupt:
         return 0
-    print(f"tokenfleet: starting the gateway, router, accounting, Celery and {len(workers)} worker(s) "
-          f"({', '.join(models)})" + (f"; logs in {log_dir}" if log_dir else ""), flush=True)
-    stack = start(host, port, workers, env={"TOKENFLEET_ACCOUNTING_PORT": str(finance_port)}, log_dir=log_dir,
-                  redis_dir=cache_dir() / "redis")
+    except StartFailed as failed:
+        print(f"tokenfleet: {failed}", file=sys.stderr)
+        return 1
     state = cache_dir() / STATE_FILE
     try:
         _write_atomically(state, json.dumps({"pid": os.getpid(), "url": stack.url, "redis_url": stack.redis_url,
                                              "finance_url": f"http://{host}:{finance_port}"}))
-        started = time.monotonic()
-        said = started
-        while missing := waiting_for(stack.url, set(models)):
-            if not stack.supervisor.check():
-                return 1
-            now = time.monotonic()
-            if now > started + ready_timeout_s:
-                print("tokenfleet: the stack did not become ready; stopping", file=sys.stderr)
-                return 1
-            if now > said + PROGRESS_EVERY_S:
-                print(f"tokenfleet: starting ({now - started:.0f} s): waiting for {', '.join(missing)}", flush=True)
-                said = now
-            time.sleep(0.5)
+        if not _until_ready(stack, set(models), ready_timeout_s):
+            return 1
         print(banner(stack, host, finance_port, models, log_dir), flush=True)
         while stack.supervisor.check():
             time.sleep(0.5)
@@ -187,6 +210,24 @@ def up(host: str, port: int, workers: list[tuple[str, str]], ready_timeout_s: fl
     finally:
         state.unlink(missing_ok=True)
         stack.stop()
+
+
+def _until_ready(stack: LocalStack, models: set[str], timeout_s: float) -> bool:
+    """Supervises the stack until it is ready, saying what it still waits for now and then; False if it is not
+    ready within `timeout_s` or a service is in a crash loop."""
+    started = said = time.monotonic()
+    while missing := waiting_for(stack.url, models):
+        if not stack.supervisor.check():
+            return False
+        now = time.monotonic()
+        if now > started + timeout_s:
+            print("tokenfleet: the stack did not become ready; stopping", file=sys.stderr)
+            return False
+        if now > said + PROGRESS_EVERY_S:
+            print(f"tokenfleet: starting ({now - started:.0f} s): waiting for {', '.join(missing)}", flush=True)
+            said = now
+        time.sleep(0.5)
+    return True
 
 
 def _cannot_start(host: str, port: int, finance_port: int) -> str | None:
@@ -223,7 +264,7 @@ def _write_atomically(path: Path, text: str, private: bool = False) -> None:
 
 def banner(stack: LocalStack, host: str, finance_port: int, models: list[str], log_dir: Path | None) -> str:
     finance = f"http://{host}:{finance_port}"
-    redis = (f"{stack.redis_url} (embedded, kept in {cache_dir() / 'redis'})" if stack.embedded is not None
+    redis = (f"{stack.redis_url} (embedded, kept in {stack.embedded.directory})" if stack.embedded is not None
              else stack.redis_url)
     return "\n".join([
         "",

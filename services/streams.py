@@ -13,7 +13,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from . import protocol as p
-from .redis_client import as_text
+from .redis_client import as_text, waited_for_redis
 from .replies import add_reply
 from .settings import StreamSettings
 
@@ -149,6 +149,15 @@ def final_replies(request_id: str, chunks: list[p.ReplyChunk], event: p.Completi
     return additions
 
 
+async def expire(redis: aioredis.Redis, source: str, group: str, entry_id: str, request: p.GenerateRequest,
+                 settings: StreamSettings) -> Outcome:
+    """A request whose deadline passed before anything ran it: acknowledged, its client told, its row `expired`."""
+    chunk = p.ReplyChunk(kind="error", error=p.deadline_exceeded())
+    event = p.CompletionEvent.abandoned(request, "expired", worker_id="")
+    return await ack_then_add(redis, source, group, entry_id, final_replies(request.request_id, [chunk], event,
+                                                                            settings))
+
+
 async def ack_then_add(redis: aioredis.Redis, source: str, group: str, entry_id: str, additions: list[Addition],
                        registry: tuple[str, str] | None = None, veto: str | None = None) -> Outcome:
     """Acknowledge `entry_id` and make the additions, atomically and once, unless the key `veto` exists.
@@ -202,17 +211,19 @@ async def retire(redis: aioredis.Redis, stream: str, group: str, registry: str, 
     return bool(await redis.eval(_RETIRE, 2, stream, registry, group, member))
 
 
-async def restarting(name: str, loop, log, backoff_s: float = 1.0) -> None:
+async def restarting(name: str, loop, log, redis: aioredis.Redis, backoff_s: float = 1.0) -> None:
     """Runs a service's background loop, restarting it after an error (a Redis restart, a timeout) instead
-    of letting it die silently while the process looks alive."""
+    of letting it die silently while the process looks alive. An unreachable Redis is waited out with a line
+    as it goes and one as it comes back, not a traceback per retry."""
     while True:
         try:
             return await loop()
         except asyncio.CancelledError:
             raise
-        except Exception:
-            log.exception("%s failed; restarting in %.0f s", name, backoff_s)
-            await asyncio.sleep(backoff_s)
+        except Exception as exc:
+            if not await waited_for_redis(redis, exc, name, log):
+                log.exception("%s failed; restarting in %.0f s", name, backoff_s)
+                await asyncio.sleep(backoff_s)
 
 
 async def hand_back(redis: aioredis.Redis, stream: str, group: str, consumer: str, entry_ids: list[str],

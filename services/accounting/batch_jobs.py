@@ -129,7 +129,7 @@ class BatchJob:
             for line in pending:
                 if await self._cancelling():
                     return
-                await self._record(line, *await self._answer(batch["key"], line))
+                await self._record(line, *await self._answer(batch, line))
 
         lanes = asyncio.gather(*(lane() for _ in range(self.max_in_flight)))
         done, _ = await asyncio.wait([lanes], timeout=max(0.0, batch["expires_at"] - time.time()))
@@ -147,12 +147,12 @@ class BatchJob:
     async def _cancelling(self) -> bool:
         return json.loads(await self.redis.hget(p.batch_key(self.batch_id), "status") or "null") != "in_progress"
 
-    async def _answer(self, key: dict, line: BatchLine) -> tuple[bool, dict]:
+    async def _answer(self, batch: dict, line: BatchLine) -> tuple[bool, dict]:
         """(succeeded, the line's output object)."""
         rid = line_request_id(self.batch_id, line.custom_id)
         out = {"id": f"batch_req_{rid}", "custom_id": line.custom_id}
         try:
-            body = await self._generate(key, line, rid)
+            body = await self._generate(batch, line, rid)
         except asyncio.CancelledError:
             if self.window_ended:  # stop the request in the stack, so it is neither run nor billed
                 await self._cancel(rid)
@@ -165,12 +165,13 @@ class BatchJob:
             return False, {**out, "response": None, "error": {"code": "timeout", "message": str(exc)}}
         return True, {**out, "response": {"status_code": 200, "request_id": rid, "body": body}, "error": None}
 
-    async def _generate(self, key: dict, line: BatchLine, rid: str) -> dict:
+    async def _generate(self, batch: dict, line: BatchLine, rid: str) -> dict:
         """As `Gateway.generate` builds and relays the request: the key's budget holds for batch lines too (a
         line that does not fit fails with insufficient_quota); its per-minute rate limits, which pace
         interactive traffic, do not."""
-        req = line.request()
+        key, req = batch["key"], line.request()
         message = req.to_message(rid, key["name"], prefix_scope(key["name"], key.get("prefix_group")))
+        message.deadline = batch["expires_at"]  # the batch's window: nobody wants a line's answer after it
         message.api_key_id = key["hash"]
         message.cache_mode = cache_mode(req.cache, None, key["cache_mode"], self.default_cache_mode)
         message.sla_class, message.priority = BATCH_SLA_CLASS, p.BATCH_PRIORITY

@@ -44,17 +44,22 @@ class LedgerConsumer:
         self.consumer_id, self.streams, self.settle = consumer_id, stream_settings, settle
 
     async def run(self, stop: asyncio.Event) -> None:
+        """Until `stop`, even in the middle of an outage: a batch cut short by the stop is read again (its events
+        stay pending until acknowledged, and a row is never written twice)."""
         await streams.ensure_group(self.redis, p.EVENTS_STREAM, ACCOUNTING_GROUP)
-        janitor = asyncio.create_task(streams.restarting("ledger janitor", self._janitor_loop, log))
+        loops = [asyncio.create_task(streams.restarting(name, loop, log, self.redis))
+                 for name, loop in (("ledger reader", self._read_loop), ("ledger janitor", self._janitor_loop))]
         try:
-            while not stop.is_set():
-                await streams.restarting("ledger reader", self._read_once, log)
+            await stop.wait()
         finally:
-            janitor.cancel()
+            for loop in loops:
+                loop.cancel()
+            await asyncio.gather(*loops, return_exceptions=True)
 
-    async def _read_once(self) -> None:
-        await self.write(await streams.read_new(self.redis, p.EVENTS_STREAM, ACCOUNTING_GROUP, self.consumer_id,
-                                                BATCH, BLOCK_MS))
+    async def _read_loop(self) -> None:
+        while True:
+            await self.write(await streams.read_new(self.redis, p.EVENTS_STREAM, ACCOUNTING_GROUP, self.consumer_id,
+                                                    BATCH, BLOCK_MS))
 
     async def _janitor_loop(self) -> None:
         claimer = streams.StaleClaimer(self.redis, p.EVENTS_STREAM, ACCOUNTING_GROUP, self.consumer_id, self.streams)
@@ -86,7 +91,9 @@ class LedgerConsumer:
     async def write(self, deliveries: list[streams.Delivery]) -> None:
         if not deliveries:
             return
-        events, rows, cuts = self._decode(deliveries)
+        events, cuts = self._decode(deliveries)
+        events = await self._as_delivered(events)
+        rows = [ledger.row(event, self.prices, self.sla) for event in events]
         started = time.time()
         try:
             new = set(await asyncio.to_thread(ledger.record, self.engine, rows))
@@ -104,41 +111,43 @@ class LedgerConsumer:
                 "tokenfleet.sla_met": recorded["sla_met"]})
         for recorded in rows:  # every one, not only the new: a replay after a crash settles what the crash missed
             await self.settle(recorded["request_id"], float(recorded["list_cost_usd"]))
-        unrecorded = await self._cut(cuts)
-        if done := [d.entry_id for d in deliveries if d.entry_id not in unrecorded]:
-            await self.redis.xack(p.EVENTS_STREAM, ACCOUNTING_GROUP, *done)
+        await self._cut(cuts)
+        await self.redis.xack(p.EVENTS_STREAM, ACCOUNTING_GROUP, *[d.entry_id for d in deliveries])
         log.debug("ledger: %d events, %d new rows", len(deliveries), len(new))
 
     def _decode(self, deliveries: list[streams.Delivery]):
-        """The completion events and their rows, and the delivery cuts (entry id -> request id, deliveries)."""
-        events, rows, cuts = [], [], {}
+        """The completion events, and the delivery cuts."""
+        events, cuts = [], []
         for delivery in deliveries:
             try:
                 event = p.decode_event(delivery.fields)
-                if isinstance(event, p.DeliveryCut):
-                    cuts[delivery.entry_id] = (event.request_id, delivery.deliveries)
-                    continue
-                rows.append(ledger.row(event, self.prices, self.sla))
-                events.append(event)
             except ValueError:  # not an event of ours: acknowledged with the rest, logged, never retried
                 log.error("dropping malformed completion event %s", delivery.entry_id)
-        return events, rows, cuts
-
-    async def _cut(self, cuts: dict[str, tuple[str, int]]) -> set[str]:
-        """Applies the delivery cuts (entry id -> request id, deliveries); returns the entries to leave pending.
-        A cut follows its request's event on the stream, so its row is normally there; one read before it (the
-        event's consumer died, and the janitor has yet to take it over) is left for the janitor to offer again."""
-        if not cuts:  # most batches: no thread hop, no transaction
-            return set()
-        recorded, turned = await asyncio.to_thread(ledger.cut, self.engine, [rid for rid, _ in cuts.values()])
-        for row in turned:
-            self.metrics.cut(row)
-        waiting = set()
-        for entry_id, (request_id, deliveries) in cuts.items():
-            if request_id in recorded:
                 continue
-            if deliveries < self.streams.max_deliveries:
-                waiting.add(entry_id)
+            if isinstance(event, p.DeliveryCut):
+                cuts.append(event)
             else:
-                log.error("dropping the delivery cut of %s: its request has no ledger row", request_id)
-        return waiting
+                events.append(event)
+        return events, cuts
+
+    async def _as_delivered(self, events: list[p.CompletionEvent]) -> list[p.CompletionEvent]:
+        """Each event as its client got it: a gateway that ended the response short said how many tokens its
+        client got (`p.delivered_key`), maybe before the event was written."""
+        if not events:
+            return events
+        counts = await self.redis.mget([p.delivered_key(event.request_id) for event in events])
+        return [ledger.as_delivered(event, None if count is None else int(count))
+                for event, count in zip(events, counts, strict=True)]
+
+    async def _cut(self, cuts: list[p.DeliveryCut]) -> None:
+        """Bills the rows of requests whose clients got less than their events say (a cut whose request has no
+        row yet needs nothing more: the row, when written, bills from `p.delivered_key`), and settles their budgets
+        again with the new cost."""
+        if not cuts:  # most batches: no thread hop, no transaction
+            return
+        changed = await asyncio.to_thread(ledger.cut, self.engine, {c.request_id: c.delivered_tokens for c in cuts},
+                                          self.prices)
+        for row in changed:
+            if row.was_ok is not None:
+                self.metrics.cut(row.was_ok)
+            await self.settle(row.request_id, float(row.list_cost_usd))

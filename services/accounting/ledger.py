@@ -1,8 +1,11 @@
 """Completion events to ledger rows, and writing them once: a replayed event (the consumer crashed after the
-commit, before acknowledging) finds its request id taken and adds nothing."""
+commit, before acknowledging) finds its request id taken and adds nothing. A row bills the completion tokens
+its client got: a gateway that ended a response short says how many (`p.delivered_key`, `p.DeliveryCut`), before
+or after the worker's event, and the row keeps the lesser count."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from decimal import Decimal
 
@@ -23,6 +26,16 @@ def cache_result(event: p.CompletionEvent) -> str:
     if cached in RESPONSE_CACHE_HITS:
         return cached
     return "prefix" if event.usage.cached_tokens else "none"
+
+
+def as_delivered(event: p.CompletionEvent, delivered_tokens: int | None) -> p.CompletionEvent:
+    """The event as its client got it: no more completion tokens than were delivered (None: its gateway ended
+    nothing short, and the client got what the event says), and `cancelled` rather than `ok` when that was
+    fewer."""
+    if delivered_tokens is None or delivered_tokens >= event.usage.completion_tokens:
+        return event
+    usage = event.usage.model_copy(update={"completion_tokens": delivered_tokens})
+    return event.model_copy(update={"usage": usage, "status": "cancelled" if event.status == "ok" else event.status})
 
 
 def row(event: p.CompletionEvent, prices: PriceTable, sla: SlaPolicy) -> dict:
@@ -62,20 +75,42 @@ def record(engine: Engine, rows: list[dict]) -> list[str]:
         return list(connection.execute(statement, rows).scalars())
 
 
-def cut(engine: Engine, request_ids: list[str]) -> tuple[set[str], list[dict]]:
-    """Rows whose client did not get the response whole (`p.DeliveryCut`) say `cancelled`, and missed their SLA.
-    Returns the request ids that have a row (the others' events are not recorded yet), and the rows turned from
-    ok (model, SLA class, and whether they had met it) for the counters."""
-    if not request_ids:
-        return set(), []
-    ours = LedgerRow.request_id.in_(request_ids)
+@dataclass(frozen=True)
+class CutRow:
+    """A row a delivery cut changed: its new list cost (the budget settles again with it), and whether it had
+    counted as ok (its model, SLA class and verdict, for the counters)."""
+
+    request_id: str
+    list_cost_usd: Decimal
+    was_ok: dict | None
+
+
+def cut(engine: Engine, cuts: dict[str, int], prices: PriceTable) -> list[CutRow]:
+    """Rows whose client did not get the response whole (`p.DeliveryCut`: request id -> tokens it got) bill what
+    was delivered, and say `cancelled` (missing their SLA) where they said ok. Returns the rows it changed; a
+    request with no row yet is billed from `p.delivered_key` when its event comes."""
+    if not cuts:
+        return []
+    columns = (LedgerRow.request_id, LedgerRow.model, LedgerRow.prompt_tokens, LedgerRow.cached_tokens,
+               LedgerRow.completion_tokens, LedgerRow.cache_result, LedgerRow.status, LedgerRow.sla_class,
+               LedgerRow.sla_met)
+    changed = []
     with engine.begin() as connection:
-        was_ok = [row._asdict() for row in connection.execute(
-            select(LedgerRow.model, LedgerRow.sla_class, LedgerRow.sla_met).where(ours, LedgerRow.status == "ok")
-            .with_for_update())]
-        connection.execute(update(LedgerRow).where(ours, LedgerRow.status == "ok").values(status="cancelled",
-                                                                                          sla_met=False))
-        return set(connection.execute(select(LedgerRow.request_id).where(ours)).scalars()), was_ok
+        for held in connection.execute(select(*columns).where(LedgerRow.request_id.in_(list(cuts)))
+                                       .with_for_update()).all():
+            delivered = cuts[held.request_id]
+            if delivered >= held.completion_tokens:
+                continue  # the client got all of it
+            list_cost = _money(prices.list_cost(held.model, held.prompt_tokens, held.cached_tokens, delivered,
+                                                response_cache_hit=held.cache_result in RESPONSE_CACHE_HITS))
+            values = {"completion_tokens": delivered, "list_cost_usd": list_cost}
+            if held.status == "ok":
+                values.update(status="cancelled", sla_met=False)
+            connection.execute(update(LedgerRow).where(LedgerRow.request_id == held.request_id).values(**values))
+            was_ok = ({"model": held.model, "sla_class": held.sla_class, "sla_met": held.sla_met}
+                      if held.status == "ok" else None)
+            changed.append(CutRow(held.request_id, list_cost, was_ok))
+    return changed
 
 
 def _money(usd: float) -> Decimal:

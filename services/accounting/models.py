@@ -44,7 +44,7 @@ class LedgerRow(Base):
     measured_cost_usd: Mapped[Decimal] = mapped_column(Money)
     sla_class: Mapped[str] = mapped_column(String(32))
     sla_met: Mapped[bool] = mapped_column(Boolean)
-    status: Mapped[str] = mapped_column(String(16))  # ok / error / cancelled / dead-lettered / rejected
+    status: Mapped[str] = mapped_column(String(16))  # ok / error / cancelled / expired / dead-lettered / rejected
     enqueued_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     finished_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
 

@@ -18,6 +18,7 @@ class SlaClass:
     ttft_s: float | None = None
     tpot_s: float | None = None
     e2e_s: float | None = None
+    timeout_s: float | None = None  # its requests' deadline after acceptance; None: the gateway's request timeout
 
     def met(self, ttft_s: float, tpot_s: float, e2e_s: float, ok: bool = True) -> bool:
         """Only a task that finished can meet an SLA; an objective the class does not set always holds."""

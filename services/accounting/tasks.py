@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import functools
+import logging
 import os
 import signal
 import sys
@@ -30,7 +31,7 @@ from kombu import Queue
 from sqlalchemy import Engine
 
 from services.accounting import db, rollups
-from services.redis_client import connect
+from services.redis_client import UNREACHABLE, connect
 from services.settings import AccountingSettings
 
 # The queue names, here only. A worker consumes them in this order (kombu's "priority" strategy, not round
@@ -47,6 +48,8 @@ RUN_BATCH = "tokenfleet.accounting.run_batch"  # sent by the gateway, by name (g
 SWEEP_BATCHES = "tokenfleet.accounting.sweep_batches"
 RETENTION_AT = crontab(hour=3, minute=30)  # daily, at a quiet hour (UTC)
 PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process gets when its parent dies
+
+log = logging.getLogger(__name__)
 
 
 def broker_url(redis_url: str) -> str:
@@ -133,6 +136,9 @@ def celery_app(settings: AccountingSettings, redis_url: str, *, key_prefix: str 
             redis = connect(redis_url)
             try:
                 return await batch_lease.sweep(redis, submit, settings.batch_requeue_after_s)
+            except UNREACHABLE as exc:  # the next sweep looks again: a line, not a failed task's traceback
+                log.warning("batch sweep skipped: Redis unreachable (%s)", exc)
+                return []
             finally:
                 await redis.aclose()
 

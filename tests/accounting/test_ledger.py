@@ -21,6 +21,7 @@ from services.accounting.models import Base, LedgerRow
 from services.accounting.prices import PriceTable
 from services.accounting.sla import SlaPolicy
 from services.redis_client import EmbeddedRedis, connect
+from services.replies import end_for_client
 from services.settings import StreamSettings
 
 PRICES, SLA = PriceTable.load(), SlaPolicy.load()
@@ -166,27 +167,68 @@ def test_a_row_the_database_refuses_is_dead_lettered_and_the_others_are_recorded
     assert [letter.event.request_id for letter in letters] == [refused.request_id] and pending == 0
 
 
-def test_a_delivery_cut_turns_its_finished_tasks_row_cancelled(ledger_engine):
-    finished, other, metrics = _event(), _event(), LedgerMetrics()
-    pending = _consumer_run(ledger_engine, [finished, other, p.DeliveryCut(request_id=finished.request_id)],
-                            metrics=metrics)
-    assert {r.request_id: (r.status, r.sla_met) for r in _rows(ledger_engine)} == {
-        finished.request_id: ("cancelled", False), other.request_id: ("ok", True)}
+def _list_cost(event: p.CompletionEvent, completion_tokens: int) -> Decimal:
+    usage = event.usage
+    return Decimal(repr(PRICES.list_cost(event.model, usage.prompt_tokens, usage.cached_tokens, completion_tokens))
+                   ).quantize(Decimal("1e-12"))
+
+
+def test_a_delivery_cut_bills_the_tokens_delivered_and_turns_a_finished_tasks_row_cancelled(ledger_engine):
+    finished, other, metrics, settled = _event(), _event(), LedgerMetrics(), {}
+
+    async def settle(request_id: str, usd: float) -> None:
+        settled[request_id] = usd
+
+    pending = _consumer_run(ledger_engine, [finished, other, p.DeliveryCut(request_id=finished.request_id,
+                                                                            delivered_tokens=5)],
+                            settle=settle, metrics=metrics)
+    rows = {r.request_id: r for r in _rows(ledger_engine)}
+    assert (rows[finished.request_id].status, rows[finished.request_id].sla_met) == ("cancelled", False)
+    assert rows[finished.request_id].completion_tokens == 5
+    assert rows[finished.request_id].list_cost_usd == _list_cost(finished, 5)
+    assert settled[finished.request_id] == float(_list_cost(finished, 5))  # the budget charged again: the lower cost
+    assert (rows[other.request_id].status, rows[other.request_id].completion_tokens) == ("ok", 20)
     assert pending == 0
     assert metrics.registry.get_sample_value("tokenfleet:delivery_cuts_total", {
         "model": "tokenfleet-large", "sla_class": "interactive", "sla_met": "true"}) == 1
 
 
-def test_a_delivery_cut_leaves_a_failed_tasks_status_as_it_was(ledger_engine):
-    failed = _event("error")
-    _consumer_run(ledger_engine, [failed, p.DeliveryCut(request_id=failed.request_id)])
-    assert [r.status for r in _rows(ledger_engine)] == ["error"]
-
-
-def test_a_delivery_cut_read_before_its_event_waits_for_the_event(ledger_engine):
-    """Its event was read by a consumer that died: the cut stays pending until the janitor hands the event over."""
+def test_a_delivery_cut_of_every_token_leaves_the_row_ok(ledger_engine):
     finished = _event()
-    pending = _consumer_run(ledger_engine, [finished, p.DeliveryCut(request_id=finished.request_id)],
-                            dead_reader_takes=1)
-    assert [(r.request_id, r.status) for r in _rows(ledger_engine)] == [(finished.request_id, "cancelled")]
-    assert pending == 0
+    _consumer_run(ledger_engine, [finished, p.DeliveryCut(request_id=finished.request_id, delivered_tokens=20)])
+    assert [(r.status, r.completion_tokens) for r in _rows(ledger_engine)] == [("ok", 20)]
+
+
+def test_a_delivery_cut_leaves_a_failed_tasks_status_as_it_was_and_bills_what_was_delivered(ledger_engine):
+    failed = _event("error")
+    _consumer_run(ledger_engine, [failed, p.DeliveryCut(request_id=failed.request_id, delivered_tokens=3)])
+    assert [(r.status, r.completion_tokens) for r in _rows(ledger_engine)] == [("error", 3)]
+
+
+def test_a_gateways_count_written_before_the_workers_event_bills_the_row_when_it_comes(ledger_engine):
+    """The gateway ended the response short while the request still ran: its cut finds no row, and the worker's
+    event, read later, is billed what the client got."""
+    late = _event("cancelled")
+
+    async def scenario():
+        embedded = EmbeddedRedis()
+        redis = connect(embedded.url)
+        settings = StreamSettings()
+        try:
+            await streams.ensure_group(redis, p.EVENTS_STREAM, ACCOUNTING_GROUP)
+            consumer = LedgerConsumer(redis, ledger_engine, PRICES, SLA, "b", settings)
+            error = p.ErrorBody(message="the client left", code="cancelled", status=499)
+            await end_for_client(redis, late.request_id, error, 7, settings)
+            await consumer.write(await streams.read_new(redis, p.EVENTS_STREAM, ACCOUNTING_GROUP, "b", 10, None))
+            assert _rows(ledger_engine) == []
+            await redis.xadd(p.EVENTS_STREAM, late.encode())
+            await consumer.write(await streams.read_new(redis, p.EVENTS_STREAM, ACCOUNTING_GROUP, "b", 10, None))
+            return (await redis.xpending(p.EVENTS_STREAM, ACCOUNTING_GROUP))["pending"]
+        finally:
+            await redis.aclose()
+            embedded.close()
+
+    assert asyncio.run(scenario()) == 0
+    [row] = _rows(ledger_engine)
+    assert (row.request_id, row.status, row.completion_tokens) == (late.request_id, "cancelled", 7)
+    assert row.list_cost_usd == _list_cost(late, 7)

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import httpx
 import pytest
 import redis as sync_redis
 
+from services import protocol as p
 from services.stack import wait_ready
 from tests.services.conftest import API_KEY, MODEL, STACK_ENV, _free_port
 
@@ -92,6 +94,16 @@ class FaultStack:
                 return found
             time.sleep(0.2)
 
+    def billed(self, results: list[StreamResult], timeout_s: float = 60) -> dict[str, int]:
+        """The completion tokens the ledger bills each of `results`' requests, once it bills each what its client
+        got (or `timeout_s` passed: a row is written, then amended by its gateway's count)."""
+        expected, deadline = {r.request_id: r.tokens for r in results}, time.monotonic() + timeout_s
+        while True:
+            billed = {rid: row["completion_tokens"] for rid, row in self.ledger(set(expected), timeout_s).items()}
+            if billed == expected or time.monotonic() > deadline:
+                return billed
+            time.sleep(0.5)
+
     def ledger_of_tenant(self, tenant: str) -> list[dict]:
         from services.accounting.models import LedgerRow
 
@@ -117,7 +129,8 @@ def fault_stack(new_database, tmp_path_factory):
     redis.start()
     port, second_port, database_url = _free_port(), _free_port(), new_database()
     env = {**os.environ, **STACK_ENV, "REDIS_URL": redis.url, "DATABASE_URL": database_url,
-           "TOKENFLEET_ACCOUNTING_PORT": str(_free_port())}
+           "TOKENFLEET_ACCOUNTING_PORT": str(_free_port()),
+           "TOKENFLEET_GATEWAY_JOURNAL_DIR": str(tmp_path_factory.mktemp("gateway-journal"))}
     stack = FaultStack(redis, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{second_port}", env, database_url)
     stack.start("gateway", "gateway", "--port", str(port))
     stack.start("gateway-2", "gateway", "--port", str(second_port))
@@ -142,34 +155,62 @@ class StreamResult:
     usage_tokens: int | None = None  # what the final usage chunk said
     error: dict | None = None
     done: bool = False  # ended with [DONE]
+    cut: bool = False  # the connection broke mid-stream (its gateway died)
 
 
 def stream_completion(url: str, prompt: str, max_tokens: int, api_key: str = API_KEY,
-                      timeout_s: float = 180) -> StreamResult:
-    """A streamed completion read as raw SSE, so an error event, a missing [DONE] or a cut connection shows
-    (the last as httpx's error)."""
+                      timeout_s: float = 180, progress: StreamResult | None = None) -> StreamResult:
+    """A streamed completion read as raw SSE, so an error event, a missing [DONE] or a cut connection shows (a
+    connection refused as httpx's error; one cut mid-stream as `cut`, with what came before). `progress`: the result
+    to fill in as the stream goes, for a watcher in another thread."""
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "temperature": 0,
             "ignore_eos": True, "logprobs": 0, "stream_options": {"include_usage": True}}
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=timeout_s,
                       headers={"Authorization": f"Bearer {api_key}"}) as response:
-        result = StreamResult(response.status_code)
+        result = progress or StreamResult()
+        result.status = response.status_code
         if response.status_code != 200:
             result.error = json.loads(response.read())["error"]
             return result
-        for line in response.iter_lines():
-            if not line.startswith("data: "):
-                continue
-            data = line.removeprefix("data: ")
-            if data == "[DONE]":
-                result.done = True
-                continue
-            chunk = json.loads(data)
-            if "error" in chunk:
-                result.error = chunk["error"]
-                continue
-            result.request_id = chunk["id"].split("-", 1)[1]
-            for choice in chunk["choices"]:
-                result.tokens += len((choice.get("logprobs") or {}).get("tokens") or [])
-            if chunk.get("usage"):
-                result.usage_tokens = chunk["usage"]["completion_tokens"]
+        try:
+            for line in response.iter_lines():
+                _read_event(result, line)
+        except httpx.TransportError:
+            result.cut = True
     return result
+
+
+def _read_event(result: StreamResult, line: str) -> None:
+    if not line.startswith("data: "):
+        return
+    data = line.removeprefix("data: ")
+    if data == "[DONE]":
+        result.done = True
+        return
+    chunk = json.loads(data)
+    if "error" in chunk:
+        result.error = chunk["error"]
+        return
+    result.request_id = chunk["id"].split("-", 1)[1]
+    for choice in chunk["choices"]:
+        result.tokens += len((choice.get("logprobs") or {}).get("tokens") or [])
+    if chunk.get("usage"):
+        result.usage_tokens = chunk["usage"]["completion_tokens"]
+
+
+def queued_request(deadline: float, max_tokens: int = 8) -> p.GenerateRequest:
+    """A request as a gateway puts it on the request stream, with the dev key's tenant and `deadline`."""
+    return p.GenerateRequest(request_id=uuid.uuid4().hex, kind="completion", model=MODEL, prompt="Once upon a time",
+                             sampling=p.SamplingOptions(max_tokens=max_tokens, temperature=0.0), api_key_name="dev",
+                             deadline=deadline)
+
+
+def ended_replies(redis: sync_redis.Redis, request_id: str, timeout_s: float = 20) -> list[p.ReplyChunk]:
+    """A request's reply stream once it has ended (its last chunk "finished" or "error")."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        chunks = [p.decode(p.ReplyChunk, fields) for _, fields in redis.xrange(p.reply_stream(request_id))]
+        if chunks and chunks[-1].kind in ("finished", "error"):
+            return chunks
+        assert time.monotonic() < deadline, f"the reply stream of {request_id} did not end: {chunks}"
+        time.sleep(0.1)

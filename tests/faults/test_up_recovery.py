@@ -1,0 +1,271 @@
+"""`tokenfleet up`'s own Redis killed with streams in flight: the supervisor starts it again from its append-only
+file, the services ride the outage out (one log line as Redis goes and one as it comes back, not a traceback per
+retry), every stream ends once with all its tokens, and serve again. The whole stack killed with streams in flight
+and started again: each ledger row bills what its client got. And `tokenfleet up` started with SIGINT ignored, as a
+script's background job is: a Ctrl-C to its process group stops every service, Redis last and saving, and restarts
+none (one stack for all three, in order: the last test stops it). And a Redis that outlived a killed stack is
+stopped, saving, before the next one's starts."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+import redis as sync_redis
+
+from gpu_worker.engine import builtin_models
+from services.redis_client import KeptRedis
+from services.stack import embedded_redis
+from tests.faults.conftest import StreamResult, stream_completion
+from tests.services.conftest import API_KEY, MODEL, STACK_ENV, _free_port
+from tests.services.test_up import _env_without_redis
+
+RECOVERY_S = 20  # from the supervisor's resume to the first request served again
+STREAM_TOKENS = 200  # long enough to be mid-stream at a fault
+# As a shell runs a background job: SIGINT ignored, which the exec'd `tokenfleet up` inherits.
+IGNORING_SIGINT = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+                   "os.execv(sys.argv[1], sys.argv[1:])")
+
+
+@dataclass
+class UpStack:
+    port: int
+    cache: Path
+    env: dict[str, str]
+    proc: subprocess.Popen | None = None
+    console: list[str] = field(default_factory=list)  # what it printed so far, read by a thread
+    reader: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        """`tokenfleet up`, as a script's background job runs it, until it says it is up."""
+        self.proc = subprocess.Popen([sys.executable, "-c", IGNORING_SIGINT, sys.executable, "-m", "services.cli",
+                                      "up", "--port", str(self.port)], env=self.env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        self.console = []
+        self.reader = threading.Thread(target=self.read, daemon=True)
+        self.reader.start()
+        deadline = time.monotonic() + 300
+        while not self.said("tokenfleet is up"):
+            assert time.monotonic() < deadline and self.proc.poll() is None, "".join(self.console)
+            time.sleep(0.2)
+
+    def kill(self) -> None:
+        """Every process of the stack killed at once, Redis too, as a crash of its host's session would."""
+        processes = [psutil.Process(self.proc.pid), *psutil.Process(self.proc.pid).children(recursive=True)]
+        for process in processes:
+            process.kill()
+        psutil.wait_procs(processes, timeout=30)
+
+    def ledger(self, request_ids: set[str]) -> dict[str, tuple[str, int]]:
+        """Request id -> (status, completion tokens) of its row in the stack's own ledger (SQLite)."""
+        from sqlalchemy import select
+
+        from services.accounting import db
+        from services.accounting.models import LedgerRow
+
+        engine = db.connect(f"sqlite:///{self.cache / 'ledger.db'}")
+        try:
+            with engine.connect() as connection:
+                rows = connection.execute(select(LedgerRow.request_id, LedgerRow.status, LedgerRow.completion_tokens)
+                                          .where(LedgerRow.request_id.in_(request_ids)))
+                return {row.request_id: (row.status, row.completion_tokens) for row in rows}
+        finally:
+            engine.dispose()
+
+    def ledger_when(self, expected: dict[str, tuple[str, int]], timeout_s: float = 60) -> dict[str, tuple[str, int]]:
+        """The rows of `expected`'s requests once they are as expected (a row may be amended), or `timeout_s` on."""
+        deadline = time.monotonic() + timeout_s
+        while (rows := self.ledger(set(expected))) != expected and time.monotonic() < deadline:
+            time.sleep(0.5)
+        return rows
+
+    def chat(self) -> httpx.Response:
+        return httpx.post(self.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {API_KEY}"},
+                          json={"model": "auto", "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]},
+                          timeout=60)
+
+    def redis(self) -> sync_redis.Redis:
+        """A client of its Redis, found as `tokenfleet keys` finds it."""
+        state = json.loads((self.cache / "stack.json").read_text())
+        return sync_redis.Redis.from_url(state["redis_url"], decode_responses=True, socket_timeout=5)
+
+    def redis_server(self) -> psutil.Process:
+        """The redis-server behind its REDIS_URL (it names its socket in its command line)."""
+        socket = json.loads((self.cache / "stack.json").read_text())["redis_url"].removeprefix("unix://")
+        [server] = [proc for proc in psutil.process_iter(["name", "cmdline"]) if proc.info["name"] == "redis-server"
+                    and f"unixsocket:{socket}" in " ".join(proc.info["cmdline"] or [])]
+        return server
+
+    def said(self, line: str) -> bool:
+        return any(said.rstrip("\n") == line for said in self.console)
+
+    def read(self) -> None:
+        for line in self.proc.stdout:
+            self.console.append(line)
+
+
+@pytest.fixture(scope="module")
+def up_stack(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("cache")
+    for shared in ("kernels", "models"):  # the native kernels and checkpoints the rest of the suite made
+        (builtin_models.cache_dir() / shared).mkdir(parents=True, exist_ok=True)
+        (cache / shared).symlink_to(builtin_models.cache_dir() / shared, target_is_directory=True)
+    env = {**_env_without_redis(), **STACK_ENV, "TOKENFLEET_ROUTER_LARGE_MODEL": MODEL,  # one worker, both tiers
+           "TOKENFLEET_CACHE_DIR": str(cache), "TOKENFLEET_ACCOUNTING_PORT": str(_free_port())}
+    stack = UpStack(_free_port(), cache, env)
+    try:
+        stack.start()
+        yield stack
+    finally:
+        _stop(stack.proc)
+
+
+def _streams(url: str, what: str, count: int, max_tokens: int) -> tuple[list[StreamResult], list[Future]]:
+    """`count` streamed completions in flight, each filling its result as it goes, once each has a few tokens."""
+    results = [StreamResult() for _ in range(count)]
+    pool = ThreadPoolExecutor(count)
+    futures = [pool.submit(stream_completion, url, f"{what} {i}:", max_tokens, progress=r)
+               for i, r in enumerate(results)]
+    pool.shutdown(wait=False)
+    deadline = time.monotonic() + 120
+    while min(r.tokens for r in results) < 5:
+        assert time.monotonic() < deadline and not any(f.done() for f in futures), results
+        time.sleep(0.05)
+    return results, futures
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """A stack a test left running stopped as a service manager would; one that hangs killed, Redis with it."""
+    if proc.poll() is not None:
+        return
+    children = psutil.Process(proc.pid).children(recursive=True)
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        for child in children:
+            child.kill()
+        proc.kill()
+
+
+def _logged_since(path: Path, offset: int, text: str, timeout_s: float = 10) -> str:
+    """What `path` got after `offset`, once that has `text` (or `timeout_s` passed)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with path.open() as log:
+            log.seek(offset)
+            written = log.read()
+        if text in written or time.monotonic() > deadline:
+            return written
+        time.sleep(0.2)
+
+
+def test_a_killed_redis_is_restarted_from_its_data_and_the_services_serve_again(up_stack):
+    assert up_stack.chat().status_code == 200
+    up_stack.redis().set("tokenfleet:test:kept", "before the kill")
+    logs = {path: path.stat().st_size for path in (up_stack.cache / "logs").glob("*.log")}
+    server = up_stack.redis_server()
+    _, futures = _streams(up_stack.url, "Through a Redis kill", 4, STREAM_TOKENS)
+    # The supervisor paused while Redis is down: an outage long enough to watch, the same length every run.
+    os.kill(up_stack.proc.pid, signal.SIGSTOP)
+    try:
+        server.kill()
+        while server.is_running() and server.status() != psutil.STATUS_ZOMBIE:  # its parent, paused, reaps it later
+            time.sleep(0.01)
+        refused = []
+        for _ in range(4):
+            refused.append(up_stack.chat())
+            time.sleep(0.5)
+    finally:
+        os.kill(up_stack.proc.pid, signal.SIGCONT)
+    resumed = time.monotonic()
+    while (reply := up_stack.chat()).status_code != 200:
+        assert time.monotonic() < resumed + RECOVERY_S, (reply.status_code, reply.text, "".join(up_stack.console))
+        time.sleep(0.2)
+
+    outcomes = [f.result(timeout=120) for f in futures]
+    assert all(r.status_code == 503 and r.headers.get("retry-after") for r in refused), [r.status_code for r in refused]
+    for outcome in outcomes:  # ended once, whole: the outage was ridden out, each token sent once
+        assert outcome.done and not outcome.cut and outcome.error is None, outcome
+        assert outcome.tokens == outcome.usage_tokens == STREAM_TOKENS, outcome
+    assert up_stack.ledger_when({o.request_id: ("ok", STREAM_TOKENS) for o in outcomes}) == {
+        o.request_id: ("ok", STREAM_TOKENS) for o in outcomes}
+    assert up_stack.said("tokenfleet: redis exited with code -9; restarting it in 1 s "
+                         f"(its log: {up_stack.cache / 'logs' / 'redis.log'})"), "".join(up_stack.console)
+    assert any(line.startswith("tokenfleet: redis restarted (pid ") for line in up_stack.console)
+    assert up_stack.redis().get("tokenfleet:test:kept") == "before the kill"  # from the append-only file
+    for path, offset in logs.items():
+        if path.name.startswith(("worker", "accounting")):  # each loop: one line as Redis went, one as it came back
+            written = _logged_since(path, offset, "Redis back after")
+            assert "Redis unreachable (" in written and "Redis back after" in written, written
+            assert "Traceback" not in written, written
+
+
+def test_a_stack_killed_whole_with_streams_in_flight_bills_each_client_what_it_got_once_started_again(up_stack):
+    """Its gateway died with its clients' connections: the one started in its place reads what each got from the
+    dead one's journal and ends their requests; the new workers resume none past that."""
+    _, futures = _streams(up_stack.url, "Through a whole-stack crash", 4, STREAM_TOKENS)
+    up_stack.kill()
+    outcomes = [f.result(timeout=60) for f in futures]
+    assert all(o.cut and 5 <= o.tokens < STREAM_TOKENS for o in outcomes), outcomes
+    up_stack.start()
+    expected = {o.request_id: ("cancelled", o.tokens) for o in outcomes}
+    assert up_stack.ledger_when(expected) == expected
+    assert up_stack.chat().status_code == 200
+
+
+def test_a_ctrl_c_to_its_process_group_stops_every_service_once_though_it_was_started_ignoring_sigint(up_stack):
+    up_stack.redis().set("tokenfleet:test:kept", "before the stop")
+    services = psutil.Process(up_stack.proc.pid).children(recursive=True)
+    assert len(services) >= 6, services  # Redis, the gateway, router, accounting, Celery and a worker
+    said = len(up_stack.console)
+    os.killpg(up_stack.proc.pid, signal.SIGINT)  # as a Ctrl-C in its terminal (Redis, in its own session, aside)
+    assert up_stack.proc.wait(90) == 0
+    up_stack.reader.join(10)
+    assert not [s for s in services if s.is_running() and s.status() != psutil.STATUS_ZOMBIE]
+    assert not [line for line in up_stack.console[said:] if "restart" in line], up_stack.console[said:]
+
+    with _redis_server(KeptRedis(up_stack.cache / "redis")) as kept:  # stopped last, saving: its data is kept
+        assert kept.get("tokenfleet:test:kept") == "before the stop"
+
+
+def test_a_redis_that_outlived_a_killed_stack_is_stopped_saving_before_its_successor_starts(tmp_path):
+    with _redis_server(KeptRedis(tmp_path)) as orphan:
+        orphan.set("tokenfleet:test:kept", "before the stack was killed")
+        embedded_redis(tmp_path)  # as `tokenfleet up` starts: two servers must not write one append-only file
+        with pytest.raises(sync_redis.ConnectionError):
+            orphan.ping()
+    with _redis_server(KeptRedis(tmp_path)) as successor:
+        assert successor.get("tokenfleet:test:kept") == "before the stack was killed"
+
+
+@contextlib.contextmanager
+def _redis_server(kept: KeptRedis) -> Iterator[sync_redis.Redis]:
+    """A client of a redis-server on `kept`'s directory, run as `tokenfleet up` runs it, while the block runs."""
+    server = subprocess.Popen(kept.command(), stdout=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 20
+        while not kept.answers():
+            assert time.monotonic() < deadline and server.poll() is None, "the redis-server did not start"
+            time.sleep(0.05)
+        yield sync_redis.Redis.from_url(kept.url, decode_responses=True, socket_timeout=5)
+    finally:
+        kept.shutdown()
+        server.wait(10)
