@@ -74,6 +74,7 @@ BENCHMARKS = {
     "linears": ("bench.linear_rates", "each linear's GEMM rate inside the mixed workload, against the same call "
                                       "made warm"),
     "avx2": ("bench.avx2_path", "an AVX2-only host's native kernels against the torch path, kernels chosen as there"),
+    "faults": ("bench.faults", "`tokenfleet up` through a Redis kill and a whole-stack kill: recovery, ledger rows"),
 }
 
 
