@@ -92,8 +92,3 @@ class ReplyHistory:
         return p.CachedCompletion(model=model, usage=usage, max_tokens=max_tokens, choices=[
             p.CachedChoice(text=c.text, token_ids=c.token_ids, finish_reason=c.finish_reason)
             for _, c in sorted(self.choices.items())])
-
-    def usage(self) -> p.Usage:
-        """What the stream shows its client was sent: the tokens a request that ends unfinished is billed."""
-        return p.Usage(prompt_tokens=self.started.prompt_tokens or 0 if self.started else 0,
-                       completion_tokens=sum(len(c.token_ids) for c in self.choices.values()))

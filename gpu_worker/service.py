@@ -186,13 +186,13 @@ class Worker:
             if await self.redis.exists(p.cancel_key(rid)):
                 await self._abandon(delivery, request, "cancelled")
                 return
-            history = ReplyHistory.of(await replies.reply_history(self.redis, rid)) if delivery.claimed \
-                else ReplyHistory()
+            entries = await replies.reply_history(self.redis, rid) if delivery.claimed else []
+            history = ReplyHistory.of(entries)
             if history.closed:
                 await self.redis.xack(delivery.stream, p.WORKER_GROUP, delivery.entry_id)
                 return
             if request.expired():  # nobody waits for it any more: never started
-                await self._expire(delivery, request, history.usage())
+                await self._expire(delivery, request, replies.sent_usage(chunk for _, chunk in entries))
                 return
             attributes = {"gen_ai.request.model": self.info.name, "tokenfleet.worker": self.worker_id,
                           "tokenfleet.request_id": rid}
@@ -205,7 +205,7 @@ class Worker:
             log.exception("request %s failed", rid)
             error = p.ErrorBody(message=f"worker error: {exc}", type="server_error", status=500)
             await self.replies.flushed()  # its client gets every token published before the error: billed
-            usage = ReplyHistory.of(await replies.reply_history(self.redis, rid)).usage()
+            usage = await replies.sent_usage_of(self.redis, rid)
             await self._close(delivery, request, [p.ReplyChunk(kind="error", error=error, worker_id=self.worker_id)],
                               self._abandoned(request, "error", usage))
 
@@ -391,7 +391,7 @@ class Worker:
         it got (a cancelled stream's tokens were computed and sent; the ledger counts them). Once: a request that
         finished as the cancel came, or that the other path (the task's own, the cancel loop's) abandoned
         already, keeps the event it has."""
-        usage = ReplyHistory.of(await replies.reply_history(self.redis, request.request_id)).usage()
+        usage = await replies.sent_usage_of(self.redis, request.request_id)
         if status == "cancelled" and request.expired():  # its gateway stopped waiting at the deadline
             status = "expired"
         await streams.ack_then_add(self.redis, delivery.stream, p.WORKER_GROUP, delivery.entry_id,

@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import TypeVar
 
 import redis.asyncio as aioredis
@@ -150,6 +150,22 @@ class ReplyPublisher:
 async def reply_history(redis: aioredis.Redis, request_id: str) -> list[tuple[str, p.ReplyChunk]]:
     entries = await redis.xrange(p.reply_stream(request_id))
     return [(entry_id, p.decode(p.ReplyChunk, fields)) for entry_id, fields in entries]
+
+
+def sent_usage(chunks: Iterable[p.ReplyChunk]) -> p.Usage:
+    """What a reply stream shows its client was sent, what a request that ends unfinished is billed: the prompt as
+    its worker counted it, and each choice's tokens once (a resumed worker's repeats share their positions)."""
+    prompt_tokens, ends = 0, {}
+    for chunk in chunks:
+        if chunk.kind == "started" and not prompt_tokens:
+            prompt_tokens = chunk.prompt_tokens or 0
+        elif chunk.kind == "delta":
+            ends[chunk.index] = max(ends.get(chunk.index, 0), chunk.position + len(chunk.token_ids))
+    return p.Usage(prompt_tokens=prompt_tokens, completion_tokens=sum(ends.values()))
+
+
+async def sent_usage_of(redis: aioredis.Redis, request_id: str) -> p.Usage:
+    return sent_usage(chunk for _, chunk in await reply_history(redis, request_id))
 
 
 async def _by(hard: float, work: Awaitable[T]) -> T:

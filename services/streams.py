@@ -14,7 +14,7 @@ from redis.exceptions import ResponseError
 
 from . import protocol as p
 from .redis_client import as_text, waited_for_redis
-from .replies import add_reply
+from .replies import add_reply, sent_usage_of
 from .settings import StreamSettings
 
 
@@ -242,6 +242,7 @@ async def dead_letter(redis: aioredis.Redis, group: str, delivery: Delivery, rea
                       request: p.GenerateRequest | None, settings: StreamSettings) -> None:
     """`request` None: the entry did not decode; its client is still told when its request id can be read."""
     request_id = request.request_id if request else _request_id_of(delivery.fields)
+    sent = await sent_usage_of(redis, request_id) if request is not None else None  # its client got those tokens
     letter = p.DeadLetter(request_id=request_id or "", stream=delivery.stream, entry_id=delivery.entry_id,
                           deliveries=delivery.deliveries, reason=reason, request=request,
                           traceparent=request.traceparent if request else None)
@@ -249,7 +250,7 @@ async def dead_letter(redis: aioredis.Redis, group: str, delivery: Delivery, rea
         pipe.xadd(p.DEAD_LETTER_STREAM, letter.encode(), maxlen=settings.stream_maxlen, approximate=True)
         pipe.xack(delivery.stream, group, delivery.entry_id)
         if request is not None:
-            add_event(pipe, p.CompletionEvent.abandoned(request, "dead-lettered", worker_id=""))
+            add_event(pipe, p.CompletionEvent.abandoned(request, "dead-lettered", worker_id="", usage=sent))
         if request_id:
             error = p.ErrorBody(message=f"request failed after {delivery.deliveries} deliveries: {reason}",
                                 type="server_error", code="dead_letter", status=500)

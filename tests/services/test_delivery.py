@@ -47,6 +47,35 @@ def test_a_request_delivered_more_than_k_times_is_dead_lettered_and_its_client_g
     assert chunks[-1].kind == "error" and chunks[-1].error.code == "dead_letter"
 
 
+def test_a_dead_lettered_request_is_billed_the_tokens_its_client_was_sent(redis_url):
+    """Its workers kept dying mid-stream: the client got the tokens before the error, and its row bills those (a
+    resumed worker's repeat of a delta counts once)."""
+    settings = StreamSettings(max_deliveries=1, claim_idle_ms=0)
+    stream, request = f"test-work-{uuid.uuid4().hex}", p.GenerateRequest(
+        request_id=uuid.uuid4().hex, kind="completion", model="m", prompt="hi", sampling=p.SamplingOptions())
+    sent = [p.ReplyChunk(kind="started", prompt_tokens=3),
+            p.ReplyChunk(kind="delta", position=0, token_ids=[5, 6]),
+            p.ReplyChunk(kind="delta", position=2, token_ids=[7]),
+            p.ReplyChunk(kind="delta", position=2, token_ids=[7, 8])]  # resumed from position 2 by another worker
+
+    async def scenario():
+        redis = connect(redis_url)
+        await streams.ensure_group(redis, stream, p.WORKER_GROUP)
+        await redis.xadd(stream, request.encode())
+        await replies.ReplyPublisher(redis, settings).publish(request.request_id, sent)
+        await streams.read_new(redis, stream, p.WORKER_GROUP, "worker-a", 1, 100)
+        claimed = await streams.StaleClaimer(redis, stream, p.WORKER_GROUP, "worker-b", settings).claim(10)
+        await streams.dead_letter_exhausted(redis, p.WORKER_GROUP, claimed, settings)
+        events = p.completion_events(await redis.xrange(p.EVENTS_STREAM))
+        await redis.delete(stream)
+        await redis.aclose()
+        return next(e for e in events if e.request_id == request.request_id)
+
+    event = asyncio.run(scenario())
+    assert event.status == "dead-lettered"
+    assert (event.usage.prompt_tokens, event.usage.completion_tokens) == (3, 4)
+
+
 def test_a_request_entry_that_does_not_decode_is_dead_lettered_and_its_client_told_at_once(stack):
     request_id = uuid.uuid4().hex
     entry = json.loads(p.GenerateRequest(request_id=request_id, kind="completion", model=MODEL, prompt="hi",
