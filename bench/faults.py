@@ -67,31 +67,39 @@ class Stream:
 
 
 class Up:
-    """`tokenfleet up` in its own session, its console read by a thread, on `cache` and `port`."""
+    """`tokenfleet up` in its own session, its console read by a thread, on `cache` and `port`. `env`: settings on
+    top of this environment's (less those that would take state elsewhere); `launcher`: what runs the command (a
+    test's wrapper that sets a signal disposition first)."""
 
-    def __init__(self, cache: Path, port: int):
-        self.cache, self.port = cache, port
+    def __init__(self, cache: Path, port: int, env: dict[str, str] | None = None, launcher: tuple[str, ...] = ()):
+        self.cache, self.port, self.launcher = cache, port, launcher
         # The finance API on a free port, not port + 1 (`up`'s default), which something else may hold.
         self.env = {**{k: v for k, v in os.environ.items() if k not in ELSEWHERE}, "TOKENFLEET_CACHE_DIR": str(cache),
-                    "TOKENFLEET_ACCOUNTING_PORT": str(free_port())}
+                    "TOKENFLEET_ACCOUNTING_PORT": str(free_port()), **(env or {})}
         self.url = f"http://127.0.0.1:{port}"
         self.proc: subprocess.Popen | None = None
         self.console: list[str] = []
+        self.reader: threading.Thread | None = None
 
     def start(self) -> float:
         """Seconds from the command to its console's "tokenfleet is up"."""
         started = time.monotonic()
-        self.proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--port", str(self.port)],
-                                     env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen([*self.launcher, sys.executable, "-m", "services.cli", "up", "--port",
+                                      str(self.port)], env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, start_new_session=True)
         self.console = []
-        threading.Thread(target=lambda: self.console.extend(self.proc.stdout), daemon=True).start()
-        while not any(line.strip() == "tokenfleet is up" for line in self.console):
+        self.reader = threading.Thread(target=lambda: self.console.extend(self.proc.stdout), daemon=True)
+        self.reader.start()
+        while not self.said("tokenfleet is up"):
             if self.proc.poll() is not None or time.monotonic() > started + UP_TIMEOUT_S:
                 raise RuntimeError("`tokenfleet up` did not come up:\n" + "".join(self.console[-30:]))
             time.sleep(0.1)
-        self.api_key = (self.cache / "dev-key").read_text().strip()  # made by its first start
+        # its own key, else the one its first start made
+        self.api_key = self.env.get("TOKENFLEET_GATEWAY_DEV_KEY") or (self.cache / "dev-key").read_text().strip()
         return time.monotonic() - started
+
+    def said(self, line: str) -> bool:
+        return any(said.rstrip("\n") == line for said in self.console)
 
     def redis_server(self) -> psutil.Process:
         """Its redis-server, found by the unix socket of the stack's REDIS_URL (the server's process title names

@@ -14,11 +14,9 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -26,12 +24,12 @@ import psutil
 import pytest
 import redis as sync_redis
 
+from bench.faults import Up
 from gpu_worker.engine import builtin_models
 from services.redis_client import KeptRedis
 from services.stack import embedded_redis
 from tests.faults.conftest import StreamResult, stream_completion
 from tests.services.conftest import API_KEY, MODEL, STACK_ENV, _free_port
-from tests.services.test_up import _env_without_redis
 
 RECOVERY_S = 20  # from the supervisor's resume to the first request served again
 STREAM_TOKENS = 200  # long enough to be mid-stream at a fault
@@ -40,56 +38,11 @@ IGNORING_SIGINT = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.
                    "os.execv(sys.argv[1], sys.argv[1:])")
 
 
-@dataclass
-class UpStack:
-    port: int
-    cache: Path
-    env: dict[str, str]
-    proc: subprocess.Popen | None = None
-    console: list[str] = field(default_factory=list)  # what it printed so far, read by a thread
-    reader: threading.Thread | None = None
+class UpStack(Up):
+    """`tokenfleet up` on the test model, started as a script's background job is (SIGINT ignored)."""
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> None:
-        """`tokenfleet up`, as a script's background job runs it, until it says it is up."""
-        self.proc = subprocess.Popen([sys.executable, "-c", IGNORING_SIGINT, sys.executable, "-m", "services.cli",
-                                      "up", "--port", str(self.port)], env=self.env, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        self.console = []
-        self.reader = threading.Thread(target=self.read, daemon=True)
-        self.reader.start()
-        deadline = time.monotonic() + 300
-        while not self.said("tokenfleet is up"):
-            assert time.monotonic() < deadline and self.proc.poll() is None, "".join(self.console)
-            time.sleep(0.2)
-
-    def kill(self) -> None:
-        """Every process of the stack killed at once, Redis too, as a crash of its host's session would."""
-        processes = [psutil.Process(self.proc.pid), *psutil.Process(self.proc.pid).children(recursive=True)]
-        for process in processes:
-            process.kill()
-        psutil.wait_procs(processes, timeout=30)
-
-    def ledger(self, request_ids: set[str]) -> dict[str, tuple[str, int]]:
-        """Request id -> (status, completion tokens) of its row in the stack's own ledger (SQLite)."""
-        from sqlalchemy import select
-
-        from services.accounting import db
-        from services.accounting.models import LedgerRow
-
-        engine = db.connect(f"sqlite:///{self.cache / 'ledger.db'}")
-        try:
-            with engine.connect() as connection:
-                rows = connection.execute(select(LedgerRow.request_id, LedgerRow.status, LedgerRow.completion_tokens)
-                                          .where(LedgerRow.request_id.in_(request_ids)))
-                return {row.request_id: (row.status, row.completion_tokens) for row in rows}
-        finally:
-            engine.dispose()
-
-    def ledger_when(self, expected: dict[str, tuple[str, int]], timeout_s: float = 60) -> dict[str, tuple[str, int]]:
+    def ledger_when(self, expected: dict[str, list[tuple[str, int]]],
+                    timeout_s: float = 60) -> dict[str, list[tuple[str, int]]]:
         """The rows of `expected`'s requests once they are as expected (a row may be amended), or `timeout_s` on."""
         deadline = time.monotonic() + timeout_s
         while (rows := self.ledger(set(expected))) != expected and time.monotonic() < deadline:
@@ -106,20 +59,6 @@ class UpStack:
         state = json.loads((self.cache / "stack.json").read_text())
         return sync_redis.Redis.from_url(state["redis_url"], decode_responses=True, socket_timeout=5)
 
-    def redis_server(self) -> psutil.Process:
-        """The redis-server behind its REDIS_URL (it names its socket in its command line)."""
-        socket = json.loads((self.cache / "stack.json").read_text())["redis_url"].removeprefix("unix://")
-        [server] = [proc for proc in psutil.process_iter(["name", "cmdline"]) if proc.info["name"] == "redis-server"
-                    and f"unixsocket:{socket}" in " ".join(proc.info["cmdline"] or [])]
-        return server
-
-    def said(self, line: str) -> bool:
-        return any(said.rstrip("\n") == line for said in self.console)
-
-    def read(self) -> None:
-        for line in self.proc.stdout:
-            self.console.append(line)
-
 
 @pytest.fixture(scope="module")
 def up_stack(tmp_path_factory):
@@ -127,14 +66,13 @@ def up_stack(tmp_path_factory):
     for shared in ("kernels", "models"):  # the native kernels and checkpoints the rest of the suite made
         (builtin_models.cache_dir() / shared).mkdir(parents=True, exist_ok=True)
         (cache / shared).symlink_to(builtin_models.cache_dir() / shared, target_is_directory=True)
-    env = {**_env_without_redis(), **STACK_ENV, "TOKENFLEET_ROUTER_LARGE_MODEL": MODEL,  # one worker, both tiers
-           "TOKENFLEET_CACHE_DIR": str(cache), "TOKENFLEET_ACCOUNTING_PORT": str(_free_port())}
-    stack = UpStack(_free_port(), cache, env)
+    one_worker = {**STACK_ENV, "TOKENFLEET_ROUTER_LARGE_MODEL": MODEL}  # of both tiers
+    stack = UpStack(cache, _free_port(), one_worker, launcher=(sys.executable, "-c", IGNORING_SIGINT))
     try:
         stack.start()
         yield stack
     finally:
-        _stop(stack.proc)
+        stack.stop()
 
 
 def _streams(url: str, what: str, count: int, max_tokens: int) -> tuple[list[StreamResult], list[Future]]:
@@ -149,20 +87,6 @@ def _streams(url: str, what: str, count: int, max_tokens: int) -> tuple[list[Str
         assert time.monotonic() < deadline and not any(f.done() for f in futures), results
         time.sleep(0.05)
     return results, futures
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    """A stack a test left running stopped as a service manager would; one that hangs killed, Redis with it."""
-    if proc.poll() is not None:
-        return
-    children = psutil.Process(proc.pid).children(recursive=True)
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        for child in children:
-            child.kill()
-        proc.kill()
 
 
 def _logged_since(path: Path, offset: int, text: str, timeout_s: float = 10) -> str:
@@ -205,8 +129,8 @@ def test_a_killed_redis_is_restarted_from_its_data_and_the_services_serve_again(
     for outcome in outcomes:  # ended once, whole: the outage was ridden out, each token sent once
         assert outcome.done and not outcome.cut and outcome.error is None, outcome
         assert outcome.tokens == outcome.usage_tokens == STREAM_TOKENS, outcome
-    assert up_stack.ledger_when({o.request_id: ("ok", STREAM_TOKENS) for o in outcomes}) == {
-        o.request_id: ("ok", STREAM_TOKENS) for o in outcomes}
+    expected = {o.request_id: [("ok", STREAM_TOKENS)] for o in outcomes}
+    assert up_stack.ledger_when(expected) == expected
     assert up_stack.said("tokenfleet: redis exited with code -9; restarting it in 1 s "
                          f"(its log: {up_stack.cache / 'logs' / 'redis.log'})"), "".join(up_stack.console)
     assert any(line.startswith("tokenfleet: redis restarted (pid ") for line in up_stack.console)
@@ -226,7 +150,7 @@ def test_a_stack_killed_whole_with_streams_in_flight_bills_each_client_what_it_g
     outcomes = [f.result(timeout=60) for f in futures]
     assert all(o.cut and 5 <= o.tokens < STREAM_TOKENS for o in outcomes), outcomes
     up_stack.start()
-    expected = {o.request_id: ("cancelled", o.tokens) for o in outcomes}
+    expected = {o.request_id: [("cancelled", o.tokens)] for o in outcomes}
     assert up_stack.ledger_when(expected) == expected
     assert up_stack.chat().status_code == 200
 
