@@ -25,10 +25,12 @@ up: setup
 # pytest exits 5 when it collects no test; that is not a failure of the suite.
 test: setup browser
 	$(BIN)/ruff check .
+	site=$$(mktemp -d) && NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir "$$site"; rc=$$?; rm -rf "$$site"; exit $$rc
+	$(BIN)/lint-imports --no-cache
 	$(BIN)/pytest; rc=$$?; if [ $$rc -eq 5 ]; then exit 0; else exit $$rc; fi
 
 bench: setup
-	$(BIN)/tokenfleet bench engine --json bench/engine.json
+	$(BIN)/tokenfleet bench engine
 
 # Debian's Chromium for the dashboard's browser tests (~20 s once, as root); without it those tests skip.
 browser:

@@ -59,6 +59,18 @@ class Ours:
         return self.mixed_runs[-1]["tps"]
 
 
+class OursOnAnotherModel(Ours):
+    """Our engine on another model, e.g. a mixture of experts' dense twin (the same active parameters): what its
+    routing and gathering cost, measured in the same rounds."""
+
+    def __init__(self, llm, model: str, b1: Workload, mix: Workload):
+        super().__init__(llm, b1, mix)
+        self.label = f"tokenfleet on {model}"
+
+    def close(self) -> None:
+        pass
+
+
 class HfGenerate:
     """transformers' `generate`: batch 1, and the mixed workload in static batches of 16 in arrival order, each
     run to its longest output (only the requested tokens count)."""

@@ -11,7 +11,7 @@ shared host a neighbour's load during one half of a run minutes long moved a rat
 ratio's median over the rounds and its spread, the host (CPU, ISA, L3, threads) and the read bandwidth of each
 round, over 1 GiB and over the weights' size (the latter close to the former: the weights stream from DRAM; far
 above it: from cache). Batch 1 is also set against the memory roofline: weight bytes read per token over the
-bandwidth read just before and after the runs.
+bandwidth read just before and after the runs. The figures' picture (bench/plots.py) is written beside their JSON.
 """
 
 from __future__ import annotations
@@ -19,20 +19,26 @@ from __future__ import annotations
 import argparse
 import statistics
 from datetime import date
+from pathlib import Path
 
 import torch
 
+from gpu_worker.engine.moe import SparseMoE
+
 from . import external_peers, hf_peer, host
-from .contestants import BATCH1, MIXED, HfContinuousBatching, HfGenerate, Ours, ours_batch1_tps
-from .report import publish
+from .contestants import BATCH1, MIXED, HfContinuousBatching, HfGenerate, Ours, OursOnAnotherModel, ours_batch1_tps
+from .report import add_output_argument, output_path, publish
 from .workloads import Workload, add_mixed_arguments, batch1, mixed_line, mixed_of, mixed_shape
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-PEERS = ("hf", "hf-cb", "vllm", "llamacpp")
+PEERS = ("hf", "hf-cb", "vllm", "llamacpp", "twin")
+DEFAULT_MODEL = "tokenfleet-large"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="tokenfleet-large")
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help="a model name or path; tokenfleet-moe: a mixture of experts whose active parameters are "
+                        f"{DEFAULT_MODEL}'s (results of other models than {DEFAULT_MODEL} go to their own file)")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     p.add_argument("--device", default="cpu")
     add_mixed_arguments(p)
@@ -41,7 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3, help="batch-1 runs per engine and round; the median counts")
     p.add_argument("--peer", action="append", default=[], choices=PEERS, help="peers to run (default: hf)")
     p.add_argument("--skip-mixed", action="store_true")
-    p.add_argument("--json", dest="json_path", default=None, help="also write the figures as JSON here")
+    p.add_argument("--twin", default=DEFAULT_MODEL,
+                   help="the model `--peer twin` runs on our engine (a mixture's dense twin)")
+    add_output_argument(p, "engine")
 
 
 def _weights(module: torch.nn.Module) -> dict[int, int]:
@@ -72,20 +80,25 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 
 def weight_bytes_per_token(model: torch.nn.Module) -> int:
-    """Every weight is read once per decode step, except the embedding table (one row) when the LM head does
-    not share it."""
+    """Every weight is read once per batch-1 decode step, except the embedding table (one row) when the LM head
+    does not share it, and in a mixture of experts all but the token's k experts."""
     head = _weights(model.lm_head)
     table_only = {k: v for k, v in _weights(model.embed_tokens).items() if k not in head}
-    return weight_bytes(model) - sum(table_only.values())
+    unread = sum(sum(weight_bytes(expert) for expert in moe.experts) * (1 - moe.top_k / len(moe.experts))
+                 for moe in model.modules() if isinstance(moe, SparseMoE))
+    return weight_bytes(model) - sum(table_only.values()) - int(unread)
 
 
-def _peers(names: list[str], model_dir, dtype: str, b1: Workload, mix: Workload, device: str, errors: dict) -> list:
+def _peers(names: list[str], model_dir, dtype: str, b1: Workload, mix: Workload, device: str, errors: dict,
+           twin_model: str) -> list:
     """The peers that could be loaded; why each other one could not is recorded in `errors`."""
     peers = []
     if {"hf", "hf-cb"} & set(names):
         model = hf_peer.load(model_dir, DTYPES[dtype]).to(device)
         peers += [cls(model, b1, mix) for name, cls in (("hf", HfGenerate), ("hf-cb", HfContinuousBatching))
                   if name in names]
+    if "twin" in names:
+        peers.append(OursOnAnotherModel(our_engine(twin_model, dtype, device), twin_model, b1, mix))
     for name in ("vllm", "llamacpp"):
         if name in names:
             try:
@@ -170,14 +183,19 @@ def summarize(rounds: list[dict]) -> dict:
             "roofline_fraction": {k: statistics.median(v) for k, v in fractions.items()}}
 
 
-def run(args: argparse.Namespace) -> dict:
+def our_engine(model: str, dtype: str, device: str):
+    """Our engine on `model` as the benchmark runs it: `dtype` by its short name, no prefix caching."""
     from gpu_worker.engine import LLM
+
+    return LLM(model, dtype={"bf16": "bfloat16", "fp32": "float32"}[dtype], device=device, enable_prefix_caching=False)
+
+
+def run(args: argparse.Namespace) -> dict:
     from gpu_worker.engine.checkpoint import resolve_model_path
 
     device = torch.device(args.device)
     model_dir = resolve_model_path(args.model)
-    llm = LLM(str(model_dir), dtype={"bf16": "bfloat16", "fp32": "float32"}[args.dtype], device=args.device,
-              enable_prefix_caching=False)
+    llm = our_engine(str(model_dir), args.dtype, args.device)
     vocab = llm.engine.model_config.vocab_size
     shape = mixed_shape(args)
     b1, mix = batch1(vocab), mixed_of(vocab, shape)
@@ -187,7 +205,8 @@ def run(args: argparse.Namespace) -> dict:
               "host": host.describe(), "weight_bytes": weights, "rounds_run": args.rounds, "peer_errors": {},
               "mixed_workload": shape}
     ours = Ours(llm, b1, mix)
-    peers = _peers(args.peer or ["hf"], model_dir, args.dtype, b1, mix, args.device, result["peer_errors"])
+    peers = _peers(args.peer or ["hf"], model_dir, args.dtype, b1, mix, args.device, result["peer_errors"],
+                   args.twin)
     opened = list(peers)
     try:
         rounds = interleave(ours, peers, [BATCH1] + ([] if args.skip_mixed else [MIXED]), args, weights, device,
@@ -233,4 +252,5 @@ def format_table(r: dict) -> str:
 
 def run_from_args(args: argparse.Namespace) -> int:
     result = run(args)
-    return publish(result, format_table(result), args.json_path)
+    variant = None if args.model == DEFAULT_MODEL else Path(args.model).name.removesuffix(".gguf")
+    return publish(result, format_table(result), output_path(args, variant), picture=True)

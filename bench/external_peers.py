@@ -19,10 +19,10 @@ from pathlib import Path
 
 import torch
 
-from gpu_worker.engine.builtin_models import cache_dir
+from gpu_worker.engine.kernel_choice import avx2_host_flags
 from gpu_worker.engine.kernels import cpu_flags
+from services.text.builtin_models import cache_dir
 
-from .host import avx2_host_flags
 from .peer_scripts.peer_protocol import MARKER
 from .workloads import Workload
 
@@ -37,7 +37,7 @@ _GGML_FEATURES = {"avx": "AVX", "avx2": "AVX2", "fma": "FMA", "f16c": "F16C", "b
 def llamacpp_cmake_args(flags: frozenset[str]) -> str:
     """llama.cpp's build for a CPU with `flags`: for this CPU as it is, -march=native, except where it has AMX:
     llama.cpp's AMX kernels died of SIGILL on prompts on a Sapphire Rapids VM here (where oneDNN's ran), so there, as
-    for any narrower set of flags (an AVX2 host's, `bench.host.avx2_host_flags`), its features named one by one."""
+    for any narrower set of flags (an AVX2 host's, `kernel_choice.avx2_host_flags`), its features named one by one."""
     if flags == cpu_flags() and "amx_tile" not in flags:
         return ""
     return " ".join(["-DGGML_NATIVE=OFF", *(f"-DGGML_{opt}={'ON' if flag in flags else 'OFF'}"
@@ -63,7 +63,7 @@ PEERS = {
              "script": "vllm_peer.py", "workloads": ("batch1", "mixed")},
     # llama-cpp-python builds llama.cpp from source (~4 minutes); the checkpoint conversion needs torch.
     "llamacpp": _llamacpp(cpu_flags()),
-    # The same built as for an AVX2 host, for `bench avx2`'s peer: what llama.cpp runs there, on this CPU.
+    # The same built as for an AVX2 host, for `bench.lab.avx2_path`'s peer: what llama.cpp runs there, on this CPU.
     "llamacpp-avx2": _llamacpp(avx2_host_flags(cpu_flags())),
 }
 

@@ -1,4 +1,4 @@
-"""One-shot GPU benchmark of our engine on one model (bf16), printed as one table and written as JSON:
+"""`tokenfleet bench gpu`: our engine on a GPU, one model in bf16, against HF generate and the HBM roofline:
 
 1. the card's HBM read bandwidth, measured in this run;
 2. batch-1 decode tokens/s (CUDA graphs on) against the roofline: bandwidth / weight bytes per token;
@@ -8,7 +8,8 @@
 4. on CUDA, the achieved bandwidth of the Triton kernels on Llama-3-8B shapes: paged decode attention, RMSNorm
    with the residual add, SiLU*mul, each as a fraction of the bandwidth of (1).
 
-    python -m bench.gpu --model /tmp/llama3-8b-random --device cuda --out /tmp/gpu-bench [--rounds 3] [--concurrent 64]
+    tokenfleet bench gpu --model /tmp/llama3-8b-random [--rounds 3] [--concurrent 64] [--json FILE]
+    python -m bench.gpu ...        (the same, where no console script is installed: bench/gpu_check.sh)
 
 About 3-4 minutes on an H200 with the Llama-3-8B-shaped random checkpoint (`python -m bench.make_checkpoint`).
 A section that fails is reported in the table as "failed: <reason>"; the others still run.
@@ -19,20 +20,19 @@ from __future__ import annotations
 import argparse
 import gc
 import itertools
-import json
 import statistics
 import sys
 import time
 import traceback
 from datetime import UTC, datetime
 from importlib import metadata
-from pathlib import Path
 
 import torch
 
 from . import hf_peer, host
 from .contestants import ours_batch1_tps, ours_mixed
 from .engine import weight_bytes_per_token
+from .report import add_output_argument, output_path, publish, script_main
 from .workloads import Workload, batch1, mixed
 
 # An engine sizes its KV cache to gpu_memory_utilization of the whole card less everything in use on it then
@@ -211,14 +211,15 @@ def format_table(r: dict) -> str:
     return "\n".join([head, "", *lines])
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="an HF Llama checkpoint directory (or a model name)")
     p.add_argument("--device", default="cuda")
-    p.add_argument("--out", type=Path, required=True, help="folder for gpu_bench.json")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--concurrent", type=int, default=64)
-    args = p.parse_args()
+    add_output_argument(p, "gpu")
+
+
+def run(args: argparse.Namespace) -> dict:
     from gpu_worker.engine.checkpoint import resolve_model_path
 
     args.model_dir = resolve_model_path(args.model)
@@ -241,10 +242,13 @@ def main() -> None:
         torch.cuda.empty_cache()
         for name in KERNELS:
             _section(result, f"kernel {name}", kernel, name, device, result)
-    print(format_table(result), flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "gpu_bench.json").write_text(json.dumps(result, indent=2, default=str))
+    return result
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    result = run(args)
+    return publish(result, format_table(result), output_path(args))
 
 
 if __name__ == "__main__":
-    main()
+    script_main(__doc__, add_arguments, run_from_args)

@@ -4,7 +4,7 @@
 # caching, one host sync per step, the KV pool at gpu_memory_utilization 0.9), then bench/gpu.py on a
 # Llama-3-8B-shaped random bf16 checkpoint: batch-1 decode against the HBM roofline, 64 concurrent requests
 # against HF generate with and without CUDA graphs, each kernel's achieved bandwidth; then where a decode step's
-# time goes (bench/gpu_profile.py: host parts, graph replay, GPU time by kernel). Stops at the first failing
+# time goes (bench/lab/gpu_profile.py: host parts, graph replay, GPU time by kernel). Stops at the first failing
 # stage and names it; each stage is time-boxed, the whole run at most 10 minutes. Prints one table; JSON in $OUT.
 #   bash bench/gpu_check.sh            (uses python3; set PY to choose another)
 #   KEEP_GOING=1 bash bench/gpu_check.sh   (for a lease too short to try twice: every stage runs, failures named)
@@ -40,16 +40,16 @@ stage environment 15 "nvidia-smi --query-gpu=name,memory.total,driver_version --
   $PY -c 'import torch, triton, transformers; assert torch.cuda.is_available(), \"torch sees no GPU\";
 print(\"torch\", torch.__version__, \"triton\", triton.__version__, \"transformers\", transformers.__version__)'"
 
-stage kernels 90 "$PYTEST $WORKERS tests/engine/*triton*.py"
+stage kernels 90 "$PYTEST $WORKERS tests/gpu_worker/engine/*triton*.py"
 
-stage exactness 130 "$PYTEST tests/engine/test_cuda.py
-  $PYTEST tests/engine/test_matches_hf.py -k 'bfloat16 or logprobs or (concurrency and 32)'"
+stage exactness 130 "$PYTEST tests/gpu_worker/engine/test_cuda.py
+  $PYTEST tests/gpu_worker/engine/test_matches_hf.py -k 'bfloat16 or logprobs or (concurrency and 32)'"
 
 stage checkpoint 60 "$PY -m bench.make_checkpoint --shape llama3-8b --out $CHECKPOINT --device cuda"
 
-stage benchmark 240 "$PY -m bench.gpu --model $CHECKPOINT --device cuda --out $OUT"
+stage benchmark 240 "$PY -m bench.gpu --model $CHECKPOINT --device cuda --json $OUT/gpu_bench.json"
 
-stage profile 90 "$PY -m bench.gpu_profile --model $CHECKPOINT --out $OUT"
+stage profile 90 "$PY -m bench.lab.gpu_profile --model $CHECKPOINT --json $OUT/gpu_profile.json"
 
 if [ ${#failed[@]} -gt 0 ]; then
   echo "gpu_check: failed stages: ${failed[*]}; $(( $(date +%s) - started )) s"

@@ -1,9 +1,11 @@
 """What a benchmark ran on, printed beside its figures: the CPU, the instruction sets our kernels choose by, the
 L3, the CPUs the process may use, and the read bandwidth, measured whenever asked (on a shared VM it drifts by
-2x within minutes, so a figure is only ever compared with readings taken around it)."""
+2x within minutes, so a figure is only ever compared with readings taken around it); and the host's family, which
+names its result files."""
 
 from __future__ import annotations
 
+import functools
 import os
 import statistics
 import time
@@ -26,9 +28,48 @@ def l3_bytes() -> int | None:
     return None
 
 
-def avx2_host_flags(flags: frozenset[str]) -> frozenset[str]:
-    """Of a CPU's flags, those a host with AVX2 and FMA but no AVX-512, AMX or AVX-VNNI (a Zen 3) would show."""
-    return frozenset(f for f in flags if not f.startswith(("avx512", "amx", "avx_vnni")))
+
+# AMD family 19h models that are Zen 4 (Genoa and Bergamo, Raphael, Phoenix); the rest of 19h is Zen 3. 1Ah: Zen 5.
+ZEN4_MODELS = (range(0x10, 0x20), range(0x60, 0x80), range(0xA0, 0xB0))
+GPU_BRANDS = {"nvidia", "geforce", "tesla", "quadro", "amd", "instinct", "radeon"}
+
+
+def cpu_family_of(cpuinfo: str) -> str:
+    """A result file's name for a CPU, from /proc/cpuinfo's text (its first CPU): zen3, zen4, zen5, xeon-amx,
+    xeon-avx512, avx2 or cpu. Figures are compared within a family: the kernels chosen and the memory differ
+    between them."""
+    first = cpuinfo.split("\n\n")[0]
+    fields = dict((k.strip(), v.strip()) for k, _, v in (line.partition(":") for line in first.splitlines()))
+    vendor, flags = fields.get("vendor_id"), set(fields.get("flags", "").split())
+    family, model = (int(fields[k]) if fields.get(k, "").isdigit() else 0 for k in ("cpu family", "model"))
+    if vendor == "AuthenticAMD" and family == 0x19:
+        return "zen4" if any(model in models for models in ZEN4_MODELS) else "zen3"
+    if vendor == "AuthenticAMD" and family == 0x1A:
+        return "zen5"
+    if vendor == "GenuineIntel" and "amx_tile" in flags:
+        return "xeon-amx"
+    if vendor == "GenuineIntel" and "avx512f" in flags:
+        return "xeon-avx512"
+    return "avx2" if "avx2" in flags else "cpu"
+
+
+def gpu_family_of(device_name: str) -> str:
+    """A GPU's short name from its device name: "NVIDIA H100 80GB HBM3" -> h100, "NVIDIA A100-SXM4-80GB" -> a100,
+    "NVIDIA GeForce RTX 4090" -> rtx4090 (the words up to the first with a digit, brands left out)."""
+    words = [w for w in device_name.replace("-", " ").split() if w.lower() not in GPU_BRANDS]
+    last = next((i for i, w in enumerate(words) if any(c.isdigit() for c in w)), None)
+    return "gpu" if last is None else "".join(words[:last + 1]).lower()
+
+
+@functools.cache
+def host_family() -> str:
+    """This host's family: its GPU's short name where torch sees one, else its CPU's."""
+    if torch.cuda.is_available():
+        return gpu_family_of(torch.cuda.get_device_name())
+    try:
+        return cpu_family_of(Path("/proc/cpuinfo").read_text())
+    except OSError:
+        return "cpu"
 
 
 def describe() -> dict:

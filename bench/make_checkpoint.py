@@ -22,7 +22,7 @@ SHAPES = {
 def make(shape: str, out: Path, device: str = "cpu", dtype: torch.dtype = torch.bfloat16) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from gpu_worker.engine.builtin_models import build_tokenizer
+    from services.text.builtin_models import build_tokenizer
 
     if (out / "config.json").is_file():
         return out

@@ -8,7 +8,7 @@ import statistics
 import time
 from datetime import date
 
-from .report import publish
+from .report import add_output_argument, output_path, publish
 from .workloads import Workload, shared_prefix
 
 
@@ -18,7 +18,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--num-requests", type=int, default=16)
     p.add_argument("--prefix-len", type=int, default=1500)
-    p.add_argument("--json", dest="json_path", default=None)
+    add_output_argument(p, "prefix")
 
 
 def ttfts(llm, work: Workload) -> list[float]:
@@ -71,4 +71,4 @@ def format_table(r: dict) -> str:
 
 def run_from_args(args: argparse.Namespace) -> int:
     result = run(args)
-    return publish(result, format_table(result), args.json_path)
+    return publish(result, format_table(result), output_path(args))

@@ -31,7 +31,7 @@ from .quality_tasks import (
     task_scores,
     windows,
 )
-from .report import publish
+from .report import add_output_argument, output_path, publish
 
 DTYPES = ["auto", "float32", "bfloat16", "float16"]
 HF_BATCH = 16  # prompts per HF `generate` call: left padding costs little while prompts are of similar lengths
@@ -248,7 +248,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--new-tokens", type=int, default=defaults.new_tokens, help="greedy tokens per prompt")
     p.add_argument("--task-tokens", type=int, default=defaults.task_tokens, help="answer tokens per task")
     p.add_argument("--tasks", type=Path, default=defaults.tasks_path, help="task set (JSONL)")
-    p.add_argument("--json", dest="json_path", default=None, help="also write the figures as JSON here")
+    add_output_argument(p, "quality")
 
 
 def run_from_args(args: argparse.Namespace) -> int:
@@ -258,4 +258,4 @@ def run_from_args(args: argparse.Namespace) -> int:
     settings = Settings(windows=args.windows, window_len=args.window_len, prompts=args.num_prompts,
                         new_tokens=args.new_tokens, task_tokens=args.task_tokens, tasks_path=args.tasks)
     result = run(config, reference, settings)
-    return publish(result, format_table(result), args.json_path)
+    return publish(result, format_table(result), output_path(args))

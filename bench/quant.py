@@ -28,7 +28,7 @@ from .contestants import ours_batch1_tps, ours_mixed
 from .engine import weight_bytes
 from .quality import Configuration, EngineSide, Settings, measure, prepare_inputs
 from .quality_tasks import agreement, load_tasks, perplexity
-from .report import publish
+from .report import add_output_argument, output_path, publish
 from .workloads import batch1, mixed
 
 MODES = ("bf16", "int8", "w8a8", "int4", "int4-awq", "int4-awq-g32", "int4-awq-g32-table4", "gguf", "kv-int8")
@@ -52,15 +52,15 @@ def mode_configuration(mode: str, model: str) -> Configuration:
 def dense_checkpoint(model: str) -> str:
     """The model with dense weights: a GGUF file serves its quantized matrices as they are, so its bf16
     reference (and the start of every other mode) is a dense bf16 copy of its dequantized weights."""
-    from gpu_worker.engine.checkpoint import checkpoint_path
+    from services.text.model_paths import checkpoint_path
 
     return str(converted(model, "bf16", 0)) if checkpoint_path(model).suffix == ".gguf" else model
 
 
 def converted(model: str, method: str, group_size: int, table: str | None = None) -> Path:
     """`tokenfleet quantize`'s output for the model, made once and kept in the cache folder."""
-    from gpu_worker.engine.builtin_models import cache_dir
-    from gpu_worker.engine.quantization.convert import quantize_checkpoint
+    from gpu_worker.quantize.convert import quantize_checkpoint
+    from services.text.builtin_models import cache_dir
 
     table_tag = f"-table-{table}" if table else ""
     out = cache_dir() / "quantized" / f"{Path(model).stem}-{method}-g{group_size}{table_tag}-v{FORMAT_VERSION}"
@@ -225,9 +225,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip-quality", action="store_true")
     p.add_argument("--skip-speed", action="store_true")
     p.add_argument("--skip-mixed", action="store_true")
-    p.add_argument("--json", dest="json_path", default=None, help="also write the figures as JSON here")
+    add_output_argument(p, "quant")
 
 
 def run_from_args(args: Namespace) -> int:
     result = run(args)
-    return publish(result, format_table(result), args.json_path)
+    return publish(result, format_table(result), output_path(args))

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 
-from .report import publish
+from .report import add_output_argument, output_path, publish
 from .serving import percentiles, synthetic_prompts
 
 WORKER = "bench-worker"
@@ -27,12 +27,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-len", type=int, default=64, help="prompt length in words")
     p.add_argument("--concurrency", default="1,64", help="router max concurrency values to compare")
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--json", dest="json_path", default=None)
+    add_output_argument(p, "router")
 
 
 def _register(redis, model: str) -> None:
     from gpu_worker.engine.checkpoint import resolve_model_path
-    from services import protocol as p
+    from services.base import protocol as p
 
     path = resolve_model_path(model)
     info = p.ModelInfo(name=model, model_dir=str(path), max_model_len=8192, tier="small,large")
@@ -46,14 +46,14 @@ def _register(redis, model: str) -> None:
 def one_round(redis_url: str, args: argparse.Namespace, concurrency: int) -> dict:
     import redis as sync_redis
 
-    from services import protocol as p
+    from services.base import protocol as p
 
     r = sync_redis.Redis.from_url(redis_url, decode_responses=True)
     r.flushdb()
     _register(r, args.model)
     env = {**os.environ, "REDIS_URL": redis_url, "TOKENFLEET_ROUTER_MAX_CONCURRENCY": str(concurrency),
            "TOKENFLEET_ROUTER_SMALL_MODEL": args.model, "TOKENFLEET_ROUTER_LARGE_MODEL": args.model}
-    router = subprocess.Popen([sys.executable, "-m", "services.cli", "router"], env=env)
+    router = subprocess.Popen([sys.executable, "-m", "services.launcher.cli", "router"], env=env)
     inbox = p.inbox_stream(args.model, WORKER)
     try:
         warm = p.GenerateRequest(request_id="warm-up", kind="chat", model=args.model, sampling=p.SamplingOptions(),
@@ -84,7 +84,7 @@ def one_round(redis_url: str, args: argparse.Namespace, concurrency: int) -> dic
 
 
 def run(args: argparse.Namespace) -> dict:
-    from services.redis_client import EmbeddedRedis
+    from services.base.redis_client import EmbeddedRedis
 
     redis_url, embedded = os.environ.get("REDIS_URL"), None
     if not redis_url:
@@ -116,4 +116,4 @@ def format_table(result: dict) -> str:
 
 def run_from_args(args: argparse.Namespace) -> int:
     result = run(args)
-    return publish(result, format_table(result), args.json_path)
+    return publish(result, format_table(result), output_path(args))

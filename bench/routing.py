@@ -16,7 +16,7 @@ import socket
 import time
 from datetime import date
 
-from .report import publish
+from .report import add_output_argument, output_path, publish
 from .serving import VOCABULARY, percentiles, poisson_arrivals, send_one, summarize
 
 POLICIES = ("round_robin", "cache_aware")
@@ -33,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-prefixes", type=float, default=4.0,
                    help="each worker's KV cache holds this many system prompts' worth of tokens")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", dest="json_path", default=None)
+    add_output_argument(p, "routing")
 
 
 def workload(args: argparse.Namespace) -> list[tuple[str, str]]:
@@ -82,7 +82,7 @@ def fleet_figures(redis_url: str, model: str) -> dict:
     """From the completion events: prefix-cache hit rate, where requests went, the router's decision time."""
     import redis
 
-    from services import protocol as p
+    from services.base import protocol as p
 
     events = p.completion_events(redis.Redis.from_url(redis_url, decode_responses=True).xrange(p.EVENTS_STREAM))
     events = [e for e in events if e.model == model and e.usage.prompt_tokens > 100]  # not the warm-up
@@ -95,7 +95,7 @@ def fleet_figures(redis_url: str, model: str) -> dict:
 
 
 def run_policy(policy: str, args: argparse.Namespace, requests: list[tuple[str, str]]) -> dict:
-    from services.stack import start, wait_ready
+    from services.launcher.stack import start, wait_ready
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -119,7 +119,7 @@ def run_policy(policy: str, args: argparse.Namespace, requests: list[tuple[str, 
 def _live_workers(redis_url: str, model: str) -> list[str]:
     import redis
 
-    from services import protocol as p
+    from services.base import protocol as p
 
     return redis.Redis.from_url(redis_url).zrangebyscore(p.workers_key(model), time.time(), "+inf")
 
@@ -127,7 +127,7 @@ def _live_workers(redis_url: str, model: str) -> list[str]:
 def run(args: argparse.Namespace) -> dict:
     requests = workload(args)
     result = {"date": date.today().isoformat(), "config": {k: v for k, v in vars(args).items()
-                                                           if k not in ("func", "json_path")}}
+                                                           if k not in ("func", "json_path", "benchmark")}}
     for policy in POLICIES:
         result[policy] = run_policy(policy, args, requests)
     result["throughput_ratio"] = (result["cache_aware"]["request_throughput"]
@@ -157,4 +157,4 @@ def format_table(result: dict) -> str:
 
 def run_from_args(args: argparse.Namespace) -> int:
     result = run(args)
-    return publish(result, format_table(result), args.json_path)
+    return publish(result, format_table(result), output_path(args))

@@ -25,7 +25,7 @@ from importlib import resources
 
 import numpy as np
 
-from .report import publish
+from .report import add_output_argument, output_path, publish
 
 SWEEP = [round(0.75 + 0.01 * i, 2) for i in range(21)]  # 0.75 .. 0.95
 GPTCACHE_THRESHOLD = 0.8
@@ -49,7 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="default: TOKENFLEET_CACHE_SEMANTIC_THRESHOLD, else the built-in default")
     p.add_argument("--redis-url", default=None, help="default: REDIS_URL, else an embedded Redis")
     p.add_argument("--rounds", type=int, default=5, help="passes over the queries for the latency figures")
-    p.add_argument("--json", dest="json_path", default=None)
+    add_output_argument(p, "semantic-cache")
 
 
 def _no_guard(query: str, cached: str) -> None:
@@ -72,13 +72,13 @@ class Evaluation:
 
     def cache(self, threshold: float, guarded: bool = True):
         from cache.semantic_cache import SemanticCache
-        from services.settings import CacheSettings
+        from services.base.settings import CacheSettings
 
         settings = CacheSettings(semantic_threshold=threshold)
         return SemanticCache(self.redis, settings, self.embedder, **({} if guarded else {"guard": _no_guard}))
 
     async def fill(self) -> int:
-        from services.protocol import CachedChoice, CachedCompletion, Usage
+        from services.base.protocol import CachedChoice, CachedCompletion, Usage
 
         texts = sorted({p.cached for p in self.pairs} | {p.query for p in self.pairs})
         self.vectors = dict(zip(texts, self.embedder.embed(texts), strict=True))
@@ -137,7 +137,7 @@ class Evaluation:
 async def _run(threshold: float, redis_url: str, rounds: int) -> dict:
     from cache.embedder import shared_embedder
     from cache.semantic_cache import SemanticCache
-    from services.redis_client import connect
+    from services.base.redis_client import connect
 
     pairs = load_pairs()
     async with AsyncExitStack() as stack:
@@ -162,8 +162,8 @@ async def _run(threshold: float, redis_url: str, rounds: int) -> dict:
 
 
 def run(threshold: float | None, redis_url: str | None, rounds: int = 5) -> dict:
-    from services.redis_client import EmbeddedRedis
-    from services.settings import CacheSettings
+    from services.base.redis_client import EmbeddedRedis
+    from services.base.settings import CacheSettings
 
     threshold = CacheSettings().semantic_threshold if threshold is None else threshold
     redis_url = redis_url or os.environ.get("REDIS_URL")
@@ -205,4 +205,4 @@ def format_table(r: dict) -> str:
 
 def run_from_args(args: argparse.Namespace) -> int:
     result = run(args.threshold, args.redis_url, args.rounds)
-    return publish(result, format_table(result), args.json_path)
+    return publish(result, format_table(result), output_path(args))

@@ -3,6 +3,8 @@
 Synthetic prompts arrive as a Poisson process; each is a streaming request whose timing is measured on the client
 (TTFT, ITL, TPOT, e2e, as `vllm bench serve` defines them). Goodput counts completed requests meeting every SLO per
 second. When the gateway adds its `tokenfleet` timing field to the last chunk, stack overhead = client e2e - engine_s.
+Any OpenAI-compatible server can be driven (`vllm serve` as the peer); the picture beside the JSON (bench/plots.py)
+draws one run, and `python -m bench.plots` draws several (ours and a peer's, or several request rates) in one.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .report import publish
+from .report import add_output_argument, output_path, publish
 
 SLO_KEYS = ("ttft_ms", "tpot_ms", "e2e_ms")
 LATENCIES = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
@@ -62,7 +64,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="goodput SLOs in ms, e.g. ttft_ms=200,tpot_ms=50,e2e_ms=2000")
     p.add_argument("--warmup", type=int, default=16, help="untimed requests sent first, all at once")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", dest="json_path", default=None, help="also write the figures as JSON here")
+    add_output_argument(p, "serving")
 
 
 def parse_slo(spec: str | None) -> dict[str, float]:
@@ -303,7 +305,10 @@ async def run(args: argparse.Namespace) -> dict:
 
 
 def run_from_args(args: argparse.Namespace) -> int:
-    """Non-zero when no request completed: a wrong URL, key or model must not pass for a result."""
+    """Non-zero when no request completed: a wrong URL, key or model must not pass for a result, nor replace the
+    last one."""
     summary = asyncio.run(run(args))
-    publish(summary, format_table(summary), args.json_path)
-    return 0 if summary["completed"] else 1
+    if not summary["completed"]:
+        print(format_table(summary))
+        return 1
+    return publish(summary, format_table(summary), output_path(args), picture=True)

@@ -18,7 +18,7 @@ from datetime import date
 
 import numpy as np
 
-from .report import publish
+from .report import add_output_argument, output_path, publish
 from .serving import percentiles, poisson_arrivals, request_body, send_one, synthetic_prompts
 
 SAMPLE_EVERY_S = 5.0
@@ -30,7 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-len", type=int, default=48, help="prompt length in words")
     p.add_argument("--output-len", type=int, default=24, help="max_tokens of each request")
     p.add_argument("--warmup-minutes", type=float, default=1.0, help="left out of the RSS slopes")
-    p.add_argument("--json", dest="json_path", default=None)
+    add_output_argument(p, "soak")
 
 
 def slope_mb_per_min(samples: list[tuple[float, float]]) -> float | None:
@@ -163,7 +163,7 @@ def format_table(s: dict) -> str:
 def run(args: argparse.Namespace) -> dict:
     import os
 
-    from services.stack import default_workers, start, wait_ready
+    from services.launcher.stack import default_workers, start, wait_ready
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -191,4 +191,4 @@ def run(args: argparse.Namespace) -> dict:
 
 def run_from_args(args: argparse.Namespace) -> int:
     summary = run(args)
-    return publish(summary, format_table(summary), args.json_path)
+    return publish(summary, format_table(summary), output_path(args))

@@ -2,8 +2,9 @@
 
 Each round serves every prompt of a set (greedy; `--batches`: that many requests at once, the set's prompts
 repeated to fill a batch) without guesses and with each proposer (`--methods`: n-gram lookup, a self-int8 or
-self-int4 draft), each mode leading a round in turn: one engine whose proposer is switched, because two engines in
-one process ran up to 1.25x apart by which was created first.
+self-int4 draft), each mode leading a round in turn: one engine per proposer, built with it (`speculative`), whose
+scheduler takes turns without it, because two engines in one process ran up to 1.25x apart by which was created
+first.
 Reports tokens/s each way, the speedup per round (median [min, max]), the guesses' acceptance rate and the
 tokens each target forward produced (1 + kept guesses per step), against the i.i.d. expectation
 (1 - a^(k+1)) / (1 - a) at the measured per-guess acceptance a. The prompt sets (`bench/data/spec_prompts.json`):
@@ -20,8 +21,7 @@ from datetime import date
 from pathlib import Path
 
 from .quant import dense_checkpoint
-from .report import in_turn, publish
-from .spec_coupling import coupling
+from .report import add_output_argument, in_turn, output_path, publish
 
 PROMPTS = Path(__file__).parent / "data" / "spec_prompts.json"
 
@@ -44,49 +44,49 @@ def _serve(llm, prompts: list[str], max_tokens: int, batch: int = 1) -> tuple[fl
 
 def run(args: argparse.Namespace) -> dict:
     from gpu_worker.engine import LLM
-    from gpu_worker.engine.speculative import SpeculativeConfig
 
     methods = args.methods.split(",")
     if "draft" in methods and not args.draft_model:
         raise SystemExit("method draft needs --draft-model")
     # A self-draft quantizes dense weights: the target is then the model's dense bf16 copy (for every method).
     model = dense_checkpoint(args.model) if any(m.startswith("self-") for m in methods) else args.model
-    llm = LLM(model, dtype=args.dtype)
     k = args.num_speculative_tokens
-    proposers = {"off": llm.engine.proposer_for(None)}
-    drafts = {"draft": args.draft_model}
-    proposers |= {m: llm.engine.proposer_for(SpeculativeConfig(m, k, model=drafts.get(m))) for m in methods}
     sets = json.loads(PROMPTS.read_text())
+    workloads = [(f"{n}, batch {b}", p, b) for n, p in sets.items() for b in map(int, args.batches.split(","))]
+    runs = {}
+    for method in methods:
+        speculative = {"method": method, "num_speculative_tokens": k}
+        if method == "draft":
+            speculative["model"] = args.draft_model
+        llm = LLM(model, dtype=args.dtype, speculative=speculative)
+        for name, prompts, batch in workloads:
+            runs[name, method] = _rounds(llm, args, prompts, batch)
+        del llm  # one engine at a time
     result = {"model": args.model, "target": model, "draft_model": args.draft_model, "dtype": args.dtype,
               "date": str(date.today()), "k": k, "rounds": args.rounds, "sets": {}}
-    for name, prompts, batch in [(n, p, b) for n, p in sets.items() for b in map(int, args.batches.split(","))]:
-        for proposer in proposers.values():  # warm-up
-            llm.engine.scheduler.proposer = proposer
-            _serve(llm, prompts[:1], 8)
-        runs = {mode: [] for mode in proposers}
-        modes = list(proposers)
-        for r in range(args.rounds):
-            for mode in in_turn(modes, r):
-                llm.engine.scheduler.proposer = proposers[mode]
-                runs[mode].append(_serve(llm, prompts, args.max_tokens, batch))
-        result["sets"][f"{name}, batch {batch}"] = {
-            "tps_off": statistics.median(r[1] / r[0] for r in runs["off"]),
-            "methods": {m: _figures(runs[m], runs["off"], k) for m in methods},
+    for name, _, _ in workloads:
+        result["sets"][name] = {
+            "tps_off": statistics.median(r[1] / r[0] for m in methods for r in runs[name, m]["off"]),
+            "methods": {m: _figures(runs[name, m]["on"], runs[name, m]["off"], k) for m in methods},
         }
-    llm.engine.scheduler.proposer = proposers["off"]
-    texts, prompt_lens = _target_texts(llm, [p for prompts in sets.values() for p in prompts], args.max_tokens)
-    result["coupling"] = {m: coupling(llm, proposers[m].runner, texts, prompt_lens)
-                          for m in methods if m != "ngram"}
     return result
 
 
-def _target_texts(llm, prompts: list[str], max_tokens: int) -> tuple[list[list[int]], list[int]]:
-    """Each prompt (as a chat) followed by the target's own greedy answer, and the prompt's length."""
-    from gpu_worker.engine import SamplingParams
+def _rounds(llm, args: argparse.Namespace, prompts: list[str], batch: int) -> dict:
+    """The prompts served with the engine's guesses ("on") and without ("off"), taking turns."""
+    from gpu_worker.engine.speculative import NoProposer
 
-    chats = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
-    outputs = llm.generate(chats, SamplingParams(temperature=0.0, max_tokens=max_tokens))
-    return [c + o.token_ids for c, o in zip(chats, outputs, strict=True)], [len(c) for c in chats]
+    proposers = {"off": NoProposer(), "on": llm.engine.scheduler.proposer}
+    for proposer in proposers.values():  # warm-up
+        llm.engine.scheduler.proposer = proposer
+        _serve(llm, prompts[:1], 8)
+    runs = {mode: [] for mode in proposers}
+    for r in range(args.rounds):
+        for mode in in_turn(list(proposers), r):
+            llm.engine.scheduler.proposer = proposers[mode]
+            runs[mode].append(_serve(llm, prompts, args.max_tokens, batch))
+    llm.engine.scheduler.proposer = proposers["on"]
+    return runs
 
 
 def _figures(on: list[tuple], off: list[tuple], k: int) -> dict:
@@ -113,19 +113,7 @@ def format_table(r: dict) -> str:
             med, lo, hi = f["speedup"]
             lines.append(f"| {name} | {method} | {s['tps_off']:.1f} | {f['tps']:.1f} | {med:.2f} [{lo:.2f}, {hi:.2f}] "
                          f"| {f['acceptance']:.0%} | {f['tokens_per_forward']:.2f} | {f['iid_expectation']:.2f} |")
-    if r["coupling"]:
-        lines += ["", "Sampled requests (no top-k/top-p): a draft's guesses kept when it samples with the target's "
-                  "uniforms (exact, seeded output unchanged) against the rejection sampler's sum min(p, q)", "",
-                  "| draft | greedy agreement | " + " | ".join(f"{t} uniforms | {t} min(p, q)" for t in _temps(r))
-                  + " |", "|---|---:|" + "---:|---:|" * len(_temps(r))]
-        for method, c in r["coupling"].items():
-            cells = " | ".join(f"{c[t]['coupled']:.1%} | {c[t]['optimal']:.1%}" for t in _temps(r))
-            lines.append(f"| {method} | {c['greedy']['agreement']:.1%} | {cells} |")
     return "\n".join(lines)
-
-
-def _temps(r: dict) -> list[str]:
-    return [t for t in next(iter(r["coupling"].values())) if t.startswith("T=")]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -138,9 +126,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--batches", default="1", help="requests at once, comma-separated (e.g. 1,8,64)")
-    p.add_argument("--json", dest="json_path", default=None)
+    add_output_argument(p, "spec")
 
 
 def run_from_args(args: argparse.Namespace) -> int:
     result = run(args)
-    return publish(result, format_table(result), args.json_path)
+    return publish(result, format_table(result), output_path(args))

@@ -2,11 +2,12 @@
 # `bench serving` through the gateway, speculation off and on: two workers of SmolLM2 in one local stack
 # (`smol-plain`, and `smol-spec` with n-gram k=3), measured in alternating rounds so that both see the same
 # machine, on the quote-heavy prompts of bench spec. Usage: bench/spec_serving.sh [output folder]; each round
-# writes <model>-<round>.json there.
+# writes <model>-<round>.json there (by default a new temporary folder, printed).
 set -u
 cd "$(dirname "$0")/.."
-OUT=${1:-bench/results/spec-serving}
+OUT=${1:-$(mktemp -d -t spec-serving.XXXXXX)}
 mkdir -p "$OUT"
+echo "rounds in $OUT"
 TF=${TOKENFLEET:-.venv/bin/tokenfleet}
 $TF up --port 8011 > "$OUT/up.log" 2>&1 &
 UP=$!

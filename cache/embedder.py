@@ -11,7 +11,6 @@ import functools
 import threading
 
 import numpy as np
-import torch
 
 DIM = 384
 MAX_TOKENS = 256  # the model's max_seq_length (sentence_bert_config.json): longer texts are cut
@@ -19,6 +18,9 @@ MAX_TOKENS = 256  # the model's max_seq_length (sentence_bert_config.json): long
 
 class Embedder:
     def __init__(self, model_dir: str | None = None, threads: int | None = None):
+        # torch and transformers load with the first embedder, not with the module: a router that embeds nothing
+        # (no tier classifier, no semantic cache) never loads them.
+        import torch
         from transformers import AutoModel, AutoTokenizer
 
         if model_dir is None:
@@ -32,6 +34,8 @@ class Embedder:
 
     def embed(self, texts: list[str]) -> np.ndarray:
         """(len(texts), 384) float32, rows of unit length."""
+        import torch
+
         batch = self.tokenizer(texts, padding=True, truncation=True, max_length=MAX_TOKENS, return_tensors="pt")
         with self._lock, torch.inference_mode():
             previous = torch.get_num_threads()

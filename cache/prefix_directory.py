@@ -1,7 +1,7 @@
 """The prefix directory: which worker holds which KV prefix blocks, kept from the workers' add/evict events.
 
 Workers write (`PrefixDirectory`): per worker a Redis set of the block hashes its prefix cache holds (see
-`gpu_worker/engine/block_hash.py`), the state of record, and the same changes appended to the model's
+`services/text/block_hash.py`), the state of record, and the same changes appended to the model's
 prefix-events stream. Routers read (`PrefixIndex`): an in-memory copy, loaded from the sets and kept current
 from the stream, so choosing a worker costs no Redis round trip (the decision sits on every request's path;
 NVIDIA Dynamo's KV router and llm-d's indexer keep theirs in memory from worker events too).
@@ -17,8 +17,8 @@ import logging
 
 import redis.asyncio as aioredis
 
-from services import protocol as p
-from services.redis_client import BLOCK_MS
+from services.base import protocol as p
+from services.base.redis_client import BLOCK_MS
 
 log = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ import redis.asyncio as aioredis
 
 from cache.embedder import conversation_text
 from cache.semantic_cache import SemanticCache, decode_vector, encode_vector
-from services import protocol as p
-from services.settings import CacheSettings
+from services.base import protocol as p
+from services.base.settings import CacheSettings
 
 ANONYMOUS = "anonymous"
 

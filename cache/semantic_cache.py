@@ -31,8 +31,8 @@ import numpy as np
 import redis.asyncio as aioredis
 from usearch.index import Index
 
-from services.protocol import PREFIX, CachedCompletion
-from services.settings import CacheSettings
+from services.base.protocol import PREFIX, CachedCompletion
+from services.base.settings import CacheSettings
 
 from .embedder import DIM, Embedder, shared_embedder
 from .guard import conflict
@@ -70,7 +70,7 @@ REBUILD_PAGE = 1000  # entry keys per MGET when rebuilding
 
 # One step, so that ids enter the log in the order they were taken (a reader relies on that to notice a
 # gap) and the size bound holds whatever the number of writers. Entry keys are built here from a prefix:
-# fine on a single Redis server, which is what tokenfleet runs (see services/streams.py for the others).
+# fine on a single Redis server, which is what tokenfleet runs (see services/base/streams.py for the others).
 # KEYS: seq, ids, log. ARGV: entry key prefix, entry JSON, vector (base64), ttl_s, max_entries, now, log maxlen.
 _STORE = """
 local id = redis.call('INCR', KEYS[1])
@@ -149,7 +149,7 @@ class SemanticCache:
     def __init__(self, redis: aioredis.Redis, settings: CacheSettings | None = None,
                  embedder: Embedder | None = None, guard: Callable[[str, str], str | None] = conflict,
                  candidates: int = CANDIDATES, max_scopes: int = MAX_SCOPES):
-        self.redis = redis  # a decode_responses=True client (services.redis_client.connect)
+        self.redis = redis  # a decode_responses=True client (services.base.redis_client.connect)
         self.settings = settings or CacheSettings()
         self._embedder = embedder
         self.guard = guard  # (query, cached text) -> why not, or None

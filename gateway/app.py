@@ -1,5 +1,5 @@
 """The gateway: OpenAI's HTTP API in front of the request stream. Authenticates, validates, enforces the
-key's limits (gateway/budgets.py), admits, enqueues, and relays the reply stream back (whole or as SSE)."""
+key's limits (services/tenancy/budgets.py), admits, enqueues, and relays the reply stream back (whole or as SSE)."""
 
 from __future__ import annotations
 
@@ -19,16 +19,18 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match, Route
 
 from gateway import openapi
-from gateway.admission import REFUSALS, Admission, alive_workers, in_flight, served_models
-from gateway.auth import ApiKey, authenticate, register_key
-from gateway.batches import MAX_FILE_BYTES, Batches
-from gateway.budgets import Budgets, Estimator
 from gateway.deadlines import client_timeout
 from gateway.delivery_journal import DeliveryJournal, UnjournaledDeliveries
 from gateway.idempotency import Idempotency
 from gateway.relay import Relay, redis_unavailable
-from gateway.request_body import BodyLimit, load_json
-from gateway.schemas import (
+from services.base import protocol as p
+from services.base import telemetry
+from services.base.settings import GatewaySettings, RouterSettings, StreamSettings
+from services.batch.store import MAX_FILE_BYTES, Batches
+from services.openai_api.admission import REFUSALS, Admission, alive_workers, in_flight, served_models
+from services.openai_api.context_window import ContextWindow
+from services.openai_api.request_body import BodyLimit, load_json
+from services.openai_api.schemas import (
     CACHE_HEADER,
     ChatCompletionRequest,
     CompletionRequest,
@@ -37,11 +39,11 @@ from gateway.schemas import (
     param_name,
     parse,
 )
-from services import protocol as p
-from services import telemetry
-from services.accounting.prices import PriceTable
-from services.accounting.sla import SlaPolicy
-from services.settings import GatewaySettings, RouterSettings, StreamSettings
+from services.tenancy.auth import ApiKey, authenticate, register_key
+from services.tenancy.budgets import Budgets, Estimator
+from services.tenancy.prices import PriceTable
+from services.tenancy.sla import SlaPolicy
+from services.text.prompt_encoder import PromptEncoder
 
 
 def _error_response(error: p.ErrorBody, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -93,12 +95,14 @@ class Gateway:
         self.redis, self.settings, self.default_cache_mode = redis, settings, default_cache_mode
         self.sla = sla or SlaPolicy.load()
         self.idempotency = Idempotency(redis, settings.idempotency_ttl_s)
-        admission = Admission(redis, settings, tiers, stream_settings.events_max_backlog)
+        # One encoder for the budget estimate and the admission: a prompt is tokenized once, by whichever is first.
+        encoder = PromptEncoder()
+        admission = Admission(redis, settings, tiers, stream_settings.events_max_backlog, ContextWindow(encoder))
         self.journal = journal or UnjournaledDeliveries()
         self.relay = Relay(redis, admission, self.idempotency, settings, stream_settings, self.journal)
         prices = prices or PriceTable.load()
-        self.budgets = Budgets(redis, Estimator(redis, prices, (tiers.small_model, tiers.large_model)),
-                               settings.request_timeout_s)
+        self.budgets = Budgets(redis, Estimator(redis, prices, (tiers.small_model, tiers.large_model),
+                                                encoder=encoder), settings.request_timeout_s)
         self.metrics = GatewayMetrics()
 
     async def start(self) -> None:
@@ -257,7 +261,7 @@ def create_app(redis: aioredis.Redis, settings: GatewaySettings, tiers: RouterSe
                journal: DeliveryJournal | UnjournaledDeliveries | None = None) -> FastAPI:
     """`prices`: the table budgets are estimated with (the ledger's); None: the shipped default.
     `sla`: the SLA classes requests may name; None: the default ones. `submit_batch(batch_id)`: starts the job
-    that runs a new batch (gateway/batches.py `celery_submitter`); None: batches are recorded, never run.
+    that runs a new batch (services/jobs/tasks.py `celery_submitter`); None: batches are recorded, never run.
     `journal`: where what each client got is kept across a crash (`gateway.delivery_journal`); None: nowhere."""
     gateway = Gateway(redis, settings, tiers, stream_settings, default_cache_mode, prices, sla, journal)
     app = FastAPI(title="tokenfleet gateway", on_startup=[gateway.start])

@@ -10,8 +10,8 @@ import math
 
 from starlette.datastructures import Headers
 
-from gateway.schemas import RequestError
-from services import protocol as p
+from services.base import protocol as p
+from services.openai_api.schemas import RequestError
 
 TIMEOUT_HEADER = "x-request-timeout"
 SDK_READ_TIMEOUT_HEADER = "x-stainless-read-timeout"

@@ -7,7 +7,8 @@ that died on this host (or volume) and ends their open requests for their client
 A journal is an append-only text file of lines `o RID` (relaying), `d RID N` (N completion tokens delivered so far),
 `c RID` (nothing more owed), beside a lock file that its gateway holds (flock) while it lives. Written with plain
 `write` calls: what a killed process wrote is in the file (the page cache outlives it); a host crash may lose the
-last lines, as it loses the gateway's connections."""
+last lines, as it loses the gateway's connections. A chunk's line follows its socket write, so a kill between the two
+bills its client one chunk less, never one more."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
-from services import protocol as p
+from services.base import protocol as p
 
 
 @dataclass(frozen=True)

@@ -5,14 +5,14 @@ from __future__ import annotations
 import uvicorn
 
 from gateway.app import create_app
-from gateway.batches import celery_submitter
 from gateway.delivery_journal import open_journal
-from services.accounting.prices import PriceTable
-from services.accounting.sla import SlaPolicy
-from services.asyncio_tasks import keep_cancellations
-from services.gc_tuning import freeze_startup_objects
-from services.redis_client import connect
-from services.settings import AccountingSettings, CacheSettings, GatewaySettings, RouterSettings, StreamSettings
+from services.base.asyncio_tasks import keep_cancellations
+from services.base.gc_tuning import freeze_startup_objects
+from services.base.redis_client import connect
+from services.base.settings import AccountingSettings, CacheSettings, GatewaySettings, RouterSettings, StreamSettings
+from services.jobs.tasks import celery_submitter
+from services.tenancy.prices import PriceTable
+from services.tenancy.sla import SlaPolicy
 
 
 async def serve(settings: GatewaySettings, redis_url: str) -> None:

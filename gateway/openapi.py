@@ -12,10 +12,10 @@ from typing import Any, get_args
 from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse, Response
 
-from gateway.batches import ENDPOINTS
-from gateway.request_body import MAX_INT_DIGITS
-from gateway.schemas import ChatCompletionRequest, CompletionRequest
-from services import protocol as p
+from services.base import protocol as p
+from services.batch.store import ENDPOINTS
+from services.openai_api.request_body import MAX_INT_DIGITS
+from services.openai_api.schemas import ChatCompletionRequest, CompletionRequest
 
 REF = "#/components/schemas/{model}"
 REQUEST_MODELS = (ChatCompletionRequest, CompletionRequest)
@@ -116,7 +116,7 @@ def _json(schema: dict) -> dict:
 
 
 def _errors(statuses: Iterable[int]) -> dict:
-    """`statuses`, and the 431 any route may answer (`gateway/request_body.py`)."""
+    """`statuses`, and the 431 any route may answer (`services/openai_api/request_body.py`)."""
     return {status: {"description": _ERRORS[status], "content": _json(_ref("ErrorResponse")),
                      **({"headers": _RETRY_AFTER} if status in (429, 503) else {})} for status in (*statuses, 431)}
 

@@ -16,15 +16,15 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from gateway.admission import Admission
 from gateway.delivery_journal import DeliveryJournal, UnjournaledDeliveries
 from gateway.idempotency import FirstRequest, Idempotency
-from gateway.render import ResponseBuilder
-from gateway.schemas import CACHE_HEADER, ChatCompletionRequest, RequestError
-from services import protocol as p
-from services.redis_client import RECONNECTING, UNREACHABLE, Outage
-from services.replies import DeadlineExceeded, end_for_client, follow_replies
-from services.settings import GatewaySettings, StreamSettings
+from services.base import protocol as p
+from services.base.redis_client import RECONNECTING, UNREACHABLE, Outage
+from services.base.replies import DeadlineExceeded, end_for_client, follow_replies
+from services.base.settings import GatewaySettings, StreamSettings
+from services.openai_api.admission import Admission
+from services.openai_api.render import ResponseBuilder
+from services.openai_api.schemas import CACHE_HEADER, ChatCompletionRequest, RequestError
 
 log = logging.getLogger(__name__)
 

@@ -9,13 +9,13 @@ from pathlib import Path
 
 from cache.response_cache import ResponseCache
 from gpu_worker.engine import AsyncLLMEngine, EngineConfig, LLMEngine
-from gpu_worker.engine.checkpoint import is_model_name
 from gpu_worker.metrics import WorkerMetrics
 from gpu_worker.service import Worker
-from services import protocol as p
-from services.gc_tuning import started
-from services.redis_client import connect
-from services.settings import CacheSettings, StreamSettings, WorkerSettings
+from services.base import protocol as p
+from services.base.gc_tuning import started
+from services.base.redis_client import connect
+from services.base.settings import CacheSettings, StreamSettings, WorkerSettings
+from services.text.model_paths import is_model_name
 
 
 def served_name(settings: WorkerSettings) -> str:

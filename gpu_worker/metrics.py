@@ -7,7 +7,7 @@ from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from gpu_worker.engine import LLMEngine
-from services import protocol as p
+from services.base import protocol as p
 
 # vLLM's buckets for the same histograms (seconds): the dashboards people already have read them.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)

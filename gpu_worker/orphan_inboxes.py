@@ -12,9 +12,9 @@ from __future__ import annotations
 import redis.asyncio as aioredis
 
 from cache.prefix_directory import PrefixDirectory
-from services import protocol as p
-from services import streams
-from services.settings import StreamSettings
+from services.base import protocol as p
+from services.base import streams
+from services.base.settings import StreamSettings
 
 
 class OrphanInboxes:

@@ -7,8 +7,8 @@ import time
 
 from opentelemetry import trace
 
-from services import protocol as p
-from services import telemetry
+from services.base import protocol as p
+from services.base import telemetry
 
 
 class RequestClock:

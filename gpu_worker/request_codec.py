@@ -6,14 +6,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from gpu_worker.engine import CompletionOutput, InvalidRequestError, LLMEngine, ResumedChoice, SamplingParams
-from gpu_worker.engine.errors import CONTEXT_LENGTH_EXCEEDED
-from services import protocol as p
+from services.base import protocol as p
+from services.text.errors import CONTEXT_LENGTH_EXCEEDED
+from services.text.prompt_encoder import ids_for
 
 
 def prompt_ids(engine: LLMEngine, request: p.GenerateRequest) -> list[int]:
-    if request.kind == "chat":
-        return engine.encode_prompt(engine.tokenizer.apply_chat_template(request.messages or []))
-    return engine.encode_prompt(request.prompt if request.prompt is not None else "")
+    """The ids an earlier hop tokenized with this engine's very tokenizer, else tokenized here (checked alike)."""
+    return engine.encode_prompt(ids_for(request, engine.tokenizer))
 
 
 def sampling_params(engine: LLMEngine, request: p.GenerateRequest, num_prompt_tokens: int,

@@ -27,11 +27,11 @@ from gpu_worker.metrics import WorkerMetrics
 from gpu_worker.orphan_inboxes import OrphanInboxes
 from gpu_worker.request_clock import RequestClock
 from gpu_worker.request_codec import ReplyHistory, logprob_entries, prompt_ids, sampling_params
-from services import protocol as p
-from services import replies, streams, telemetry
-from services.asyncio_tasks import cancel_and_wait
-from services.redis_client import BLOCK_MS, UNREACHABLE, until_reachable
-from services.settings import StreamSettings, WorkerSettings
+from services.base import protocol as p
+from services.base import replies, streams, telemetry
+from services.base.asyncio_tasks import cancel_and_wait
+from services.base.redis_client import BLOCK_MS, UNREACHABLE, until_reachable
+from services.base.settings import StreamSettings, WorkerSettings
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class Worker:
         self.draining = False
         # Set as the drain stops the background loops, which also end on it (and the read and janitor loops on
         # `draining`) at their next turn: a cancellation can be lost in a library (one lost inside a Redis call,
-        # see `services.asyncio_tasks`, left a heartbeat loop beating on and held a drain for 15 minutes).
+        # see `services.base.asyncio_tasks`, left a heartbeat loop beating on and held a drain for 15 minutes).
         self.stopping = False
         self._slot_freed = asyncio.Event()
         self._directory_stale = False
@@ -69,6 +69,9 @@ class Worker:
     # ---- lifecycle ------------------------------------------------------------------------------------
 
     async def run(self, stop: asyncio.Event) -> None:
+        # What keys the prompt ids requests carry for this engine (`request_codec.prompt_ids`): hashed once, now,
+        # rather than on the first request's path.
+        await asyncio.to_thread(lambda: self.engine.engine.tokenizer.fingerprint)
         await self._ensure_groups()
         await self.redis.hset(p.MODELS_KEY, self.info.name, self.info.model_dump_json())
         await self.directory.forget(self.worker_id)  # a worker id reused after a restart: its cache is empty

@@ -8,9 +8,9 @@ from __future__ import annotations
 import redis.asyncio as aioredis
 
 from cache.response_cache import CacheLookup
-from services import protocol as p
-from services import streams
-from services.settings import StreamSettings
+from services.base import protocol as p
+from services.base import streams
+from services.base.settings import StreamSettings
 
 CACHE_WORKER = "response-cache"  # the worker_id of answers that no worker computed
 

@@ -11,7 +11,7 @@ from collections import defaultdict, deque
 import redis.asyncio as aioredis
 
 from router.worker_choice import WorkerLoad
-from services import protocol as p
+from services.base import protocol as p
 
 
 class FleetView:

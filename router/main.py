@@ -10,10 +10,10 @@ from cache.response_cache import ResponseCache
 from router.policy import TierPolicy, TierRule
 from router.service import Router
 from router.worker_choice import RoundRobinChooser, WorkerChooser
-from services import protocol as p
-from services.gc_tuning import started
-from services.redis_client import as_text, connect
-from services.settings import CacheSettings, RouterSettings, StreamSettings
+from services.base import protocol as p
+from services.base.gc_tuning import started
+from services.base.redis_client import as_text, connect
+from services.base.settings import CacheSettings, RouterSettings, StreamSettings
 
 
 def tier_policy(settings: RouterSettings) -> TierPolicy:

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from cache.embedder import conversation_text
-from router.prompt_encoder import PromptEncoder
-from services import protocol as p
+from services.base import protocol as p
+from services.text.prompt_encoder import PromptEncoder
 
 if TYPE_CHECKING:  # both load torch and scikit-learn: only a router with a classifier needs them
     from cache.embedder import Embedder
@@ -71,7 +71,7 @@ class TierPolicy:
             return route(request, self.rule, None, alive)
         text = conversation_text(request.messages, request.prompt)
         small = models.get(self.rule.small_model)
-        ids = await asyncio.to_thread(encoder.prompt_ids, request, small.model_dir) if small else None
+        ids = await encoder.prompt_ids_async(request, self.rule.small_model, small.model_dir) if small else None
         prompt_tokens = len(ids) if ids is not None else len(text) // 4  # no tokenizer here: ~4 characters each
         large_probability = None
         if self.classifier is not None and self.embedder is not None:

@@ -14,19 +14,19 @@ import redis.asyncio as aioredis
 
 from cache.prefix_directory import PrefixIndex
 from cache.response_cache import NOT_ASKED, CacheLookup, ResponseCache
-from gpu_worker.engine.block_hash import block_hashes
-from gpu_worker.engine.errors import ModelLoadError
-from gpu_worker.engine.packaged_models import PACKAGED_MODELS, packaged_model_path
 from router.cache_replay import answer_from_cache
 from router.fleet_view import FleetView
 from router.policy import TierPolicy
-from router.prompt_encoder import PromptEncoder
 from router.sent_prefixes import SentPrefixes
 from router.worker_choice import RoundRobinChooser, WorkerChooser
-from services import protocol as p
-from services import streams, telemetry
-from services.redis_client import waited_for_redis
-from services.settings import StreamSettings
+from services.base import protocol as p
+from services.base import streams, telemetry
+from services.base.redis_client import waited_for_redis
+from services.base.settings import StreamSettings
+from services.text.block_hash import block_hashes
+from services.text.errors import ModelLoadError
+from services.text.packaged_models import PACKAGED_MODELS, packaged_model_path
+from services.text.prompt_encoder import PromptEncoder
 
 log = logging.getLogger(__name__)
 TOKENIZER_POLL_S = 5.0  # how often the router looks for newly served models whose tokenizer it lacks
@@ -77,10 +77,11 @@ class Router:
                 for delivery in got:
                     self._route_later(delivery)
         finally:
-            janitor.cancel()
-            for task in self._followers:
-                task.cancel()
             await asyncio.gather(*self._routing, return_exceptions=True)  # what it read, it forwards
+            background = [janitor, *self._followers]  # routing may have started a follower: taken after it
+            for task in background:
+                task.cancel()
+            await asyncio.gather(*background, return_exceptions=True)  # none outlives the router
 
     def _route_later(self, delivery: streams.Delivery) -> None:
         task = asyncio.create_task(self._forward_one(delivery))
@@ -148,7 +149,7 @@ class Router:
                      info: p.ModelInfo | None) -> tuple[str, tuple[str, str] | None]:
         """The chosen worker's inbox (and its registry), or the model's shared stream when none is live."""
         decision, model = request.routing, request.routing.model
-        ids = await asyncio.to_thread(self.encoder.prompt_ids, request, info.model_dir) if info else None
+        ids = await self.encoder.prompt_ids_async(request, model, info.model_dir) if info else None
         started = time.perf_counter()
         workers = await self.fleet.workers(model)
         if not workers:

@@ -17,6 +17,8 @@ import torch
 
 from tests import containers
 
+pytest_plugins = ["tests.stack"]  # the running stack (`stack`) for the tests of every service
+
 # The exactness tests run on CUDA wherever there is a GPU (TOKENFLEET_TEST_DEVICE=cpu keeps them on CPU).
 DEVICE = os.environ.get("TOKENFLEET_TEST_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -31,10 +33,70 @@ ARCHITECTURES = {
     "llama3-rope": ("LlamaConfig", "LlamaForCausalLM", {"rope_parameters": {
         "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 256}}),
+    # YaRN as Qwen3's model cards configure it, over an original context the test prompts cross
+    "yarn": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32, "rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 1000000.0, "factor": 8.0, "original_max_position_embeddings": 128}}),
     "llama-tied": ("LlamaConfig", "LlamaForCausalLM", {"tie_word_embeddings": True, "num_key_value_heads": 1}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
+    # head_dim other than hidden / heads, as Qwen3's own configs have
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}),
+    # 8 experts, 3 per token, weights as the softmax gave them; the second layer dense (mlp_only_layers)
+    "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {
+        "head_dim": 32, "num_experts": 8, "num_experts_per_tok": 3, "moe_intermediate_size": 64,
+        "norm_topk_prob": False, "mlp_only_layers": [1]}),
+    # windows shorter than most prompts: in every layer (Mistral), above max_window_layers (Qwen2)
+    "mistral-sliding": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 48}),
+    "qwen2-sliding": ("Qwen2Config", "Qwen2ForCausalLM", {"sliding_window": 40, "use_sliding_window": True,
+                                                          "max_window_layers": 1}),
+    # a sliding and a full layer, soft-capped scores and logits, scores scaled by query_pre_attn_scalar
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 32, "sliding_window": 40, "query_pre_attn_scalar": 24,
+                                                     "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0}),
+    # q/k norms; the sliding layer's rotary base its own, the full layer's scaled
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {
+        "head_dim": 32, "sliding_window": 40, "query_pre_attn_scalar": 24,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+                            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}}),
+    # 4 experts, 2 per token, renormalised
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2,
+                                                        "sliding_window": None}),
+    # LongRoPE with max_position_embeddings 12.8x the original context (attention factor 1.2). No workload sequence
+    # (prompt + generated, 305 tokens at most) passes the original context: past it, HF's generate re-rotates the
+    # whole cache with the long factors, which we do not (rope.py); test_longrope.py covers crossing it.
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {
+        "max_position_embeddings": 4096, "original_max_position_embeddings": 320, "pad_token_id": None,
+        "sliding_window": None, "rope_parameters": {
+            "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0, 3.5],
+            "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 12.0, 16.0]}}),
+    # Phi-4-mini's: rotary over 3/4 of each head (12 of 16 dims), LongRoPE, tied embeddings
+    "phi4-mini": ("Phi3Config", "Phi3ForCausalLM", {
+        "max_position_embeddings": 4096, "original_max_position_embeddings": 320, "pad_token_id": None,
+        "sliding_window": None, "tie_word_embeddings": True, "partial_rotary_factor": 0.75, "rope_parameters": {
+            "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.2, 1.5, 2.0, 2.6, 3.2],
+            "long_factor": [1.0, 2.0, 4.0, 7.0, 11.0, 16.0]}}),
+    # gpt-oss: attention sinks (a few units: `_loud_sinks`), a sliding layer (window below most prompts) then a full
+    # one, YaRN as released (truncate false), q/k/v/o biases, head_dim apart from hidden / heads; 4 experts, 2 per
+    # token, a biased router, biased experts whose SwiGLU clamps at 2 (where it bites)
+    "gpt-oss": ("GptOssConfig", "GptOssForCausalLM", {
+        "head_dim": 24, "sliding_window": 40, "num_local_experts": 4, "num_experts_per_tok": 2,
+        "intermediate_size": 32, "swiglu_limit": 2.0}),
+    # q and k normalised whole, q/k/v clipped, 4 experts, 2 per token, not renormalised
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2,
+                                                  "intermediate_size": 32, "clip_qkv": 2.0}),
 }
+
+
+def _loud_sinks(model) -> None:
+    """Sink logits of a few units: transformers draws them near 0, where they take too little mass to catch a
+    mistake."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.uniform_(-1.0, 4.0)
+
+
+# what a checkpoint's weights get after transformers initialised them, by architecture
+WEIGHT_EDITS = {"gpt-oss": _loud_sinks}
 
 
 @pytest.fixture(autouse=True)
@@ -60,7 +122,7 @@ def redis_url():
         with containers.redis_container() as url:
             yield url
         return
-    from services.redis_client import EmbeddedRedis
+    from services.base.redis_client import EmbeddedRedis
 
     embedded = EmbeddedRedis()
     yield embedded.url
@@ -110,7 +172,7 @@ def embedder():
 
 @pytest.fixture(scope="session")
 def hf_tokenizer():
-    from gpu_worker.engine.builtin_models import build_tokenizer
+    from services.text.builtin_models import build_tokenizer
 
     return build_tokenizer()
 
@@ -131,7 +193,9 @@ def make_checkpoint(tmp_path_factory, hf_tokenizer):
                 **{**TINY, **arch_overrides, **overrides})
             # Weights from the key alone: a checkpoint is the same whichever tests ran (and made others) before.
             torch.manual_seed(zlib.crc32(repr(key).encode()))
-            model = getattr(transformers, model_cls)(config).to(dtype)
+            model = getattr(transformers, model_cls)(config)
+            WEIGHT_EDITS.get(arch, lambda _: None)(model)
+            model = model.to(dtype)
             out = tmp_path_factory.mktemp(arch)
             model.save_pretrained(out)
             hf_tokenizer.save_pretrained(out)
@@ -146,6 +210,11 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new: list[int], dty
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(DEVICE).eval()
+    return hf_model_greedy(model, prompts, max_new)
+
+
+def hf_model_greedy(model, prompts: list[list[int]], max_new: list[int]) -> list[list[int]]:
+    """`hf_greedy` over a model already loaded (and perhaps altered by the test)."""
     outs = []
     with torch.inference_mode():
         for prompt, n in zip(prompts, max_new, strict=True):
@@ -165,7 +234,7 @@ def _leftovers(run_dir: str) -> list[str]:
         cmdline = " ".join(proc.info["cmdline"] or [])
         try:
             if ("redis-server" in cmdline and run_dir in cmdline) or (
-                    "services.cli" in cmdline and proc.environ().get("TMPDIR") == run_dir):
+                    "services.launcher.cli" in cmdline and proc.environ().get("TMPDIR") == run_dir):
                 found.append(f"pid {proc.pid}: {cmdline[:160]}")
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             pass

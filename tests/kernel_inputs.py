@@ -57,6 +57,42 @@ def mixed_step(decode_lens: list[int], chunks: list[tuple[int, int]], kv_cache: 
                                       meta.decode_block_tables, meta.decode_context_lens, meta.prefills)
 
 
+def free_out_of_window(meta: AttentionMetadata, window: int) -> AttentionMetadata:
+    """Sets to -1, as the KV manager frees them, the block-table entries of blocks wholly before the first key a
+    sliding window of `window` tokens lets each decode row (its last `window` positions) and each prefill chunk (its
+    first row's) see. Returns `meta`, changed in place."""
+    block_size = meta.block_size
+    for row, length in enumerate(meta.decode_context_list):
+        meta.decode_block_tables[row, : max(0, length - window) // block_size] = -1
+    for chunk in meta.prefills:
+        chunk.block_table[: chunk.first_key(window) // block_size] = -1
+    return meta
+
+
+def poisoned(cache: torch.Tensor) -> torch.Tensor:
+    """A copy of the cache [2, blocks, KVH, block_size, D] in a buffer with NaN where a kernel that read a freed entry
+    (-1) would land: a block's worth before the keys, and one more block at the end of each plane (the values'
+    block -1 is the keys' last), which no block table lists. Reading either makes its output NaN."""
+    two, blocks, *rest = cache.shape
+    block = cache[0, 0].numel()
+    buffer = torch.full((block + two * (blocks + 1) * block,), float("nan"), dtype=cache.dtype, device=cache.device)
+    out = buffer[block:].view(two, blocks + 1, *rest)
+    out[:, :blocks] = cache
+    return out
+
+
+def poisoned_int8(data: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`poisoned` for an int8 cache's planes: its scales NaN there (int8 has no NaN), data [2, blocks, KVH,
+    block_size, D] and scale [2, blocks, KVH, block_size]."""
+    two, blocks, *rest = data.shape
+    block = data[0, 0].numel()
+    buffer = torch.zeros(block + two * (blocks + 1) * block, dtype=data.dtype, device=data.device)
+    new_data = buffer[block:].view(two, blocks + 1, *rest)
+    new_data[:, :blocks] = data
+    new_data[:, blocks] = 127
+    return new_data, poisoned(scale[..., None])[..., 0]
+
+
 def seeded_weight(n: int, k: int) -> torch.Tensor:
     """An [n, k] float32 weight, the same for the same shape in every test, of a trained layer's magnitude."""
     torch.manual_seed(n * 7919 + k)

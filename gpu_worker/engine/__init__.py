@@ -1,15 +1,29 @@
-"""tokenfleet's inference engine: paged KV cache, continuous batching with chunked prefill, preemption."""
+"""tokenfleet's inference engine: paged KV cache, continuous batching with chunked prefill, preemption.
 
-from .async_engine import AsyncLLMEngine
-from .config import EngineConfig
-from .errors import InvalidRequestError, ModelLoadError
-from .llm import LLM
-from .llm_engine import LLMEngine
-from .outputs import CompletionOutput, RequestOutput
-from .sampling_params import SamplingParams
-from .sequence import ResumedChoice
+The exports load on first use (PEP 562), so that importing one of the engine's modules does not load the
+engine, and torch with it."""
 
-__all__ = [
-    "LLM", "AsyncLLMEngine", "CompletionOutput", "EngineConfig", "InvalidRequestError", "LLMEngine",
-    "ModelLoadError", "RequestOutput", "ResumedChoice", "SamplingParams",
-]
+from importlib import import_module
+
+from services.text.errors import InvalidRequestError, ModelLoadError
+
+_LAZY_EXPORTS = {
+    "LLM": ".llm",
+    "AsyncLLMEngine": ".async_engine",
+    "CompletionOutput": ".outputs",
+    "EngineConfig": ".config",
+    "LLMEngine": ".llm_engine",
+    "RequestOutput": ".outputs",
+    "ResumedChoice": ".sequence",
+    "SamplingParams": ".sampling_params",
+}
+
+__all__ = ["InvalidRequestError", "ModelLoadError", *_LAZY_EXPORTS]
+
+
+def __getattr__(name: str):
+    if name not in _LAZY_EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(_LAZY_EXPORTS[name], __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value

@@ -11,8 +11,9 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
+from services.text.errors import InvalidRequestError
+
 from .config import EngineConfig
-from .errors import InvalidRequestError
 from .llm_engine import LLMEngine
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams

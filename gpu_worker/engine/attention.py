@@ -1,8 +1,10 @@
 """Paged attention behind one small interface: write this step's K/V into the block cache, then attend.
 
-`TorchPagedAttention` is the reference (and the CPU path). The flattened batch holds decode tokens first,
-sorted by context length (one query token each, attended in groups of similar length), then prefill
-chunks (each attended on its own, causally, over its cached context plus the chunk).
+`TorchPagedAttention` is the reference over a cache in the serving dtype, `ScaledPagedAttention` over an int8 / fp8
+one; the native CPU kernels (`cpu_attention.py`) and the Triton ones (`triton_attention.py`) subclass them, and
+`kernel_choice` picks one per model. The flattened batch holds decode tokens first, sorted by context length (one
+query token each, attended in groups of similar length), then prefill chunks (each attended on its own, causally,
+over its cached context plus the chunk).
 """
 
 from __future__ import annotations
@@ -13,9 +15,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import ops
-from .host_memory import to_device, zeros_streamed
+from .host_memory import to_device
+from .kv_cache_format import ScaledKVCache, quantize_per_row
 from .kv_cache_manager import cdiv
+from .ops import TorchOps
 
 
 @dataclass
@@ -23,17 +26,22 @@ class PrefillChunk:
     query_start: int
     query_len: int
     context_len: int  # tokens in the sequence after this chunk, the chunk included
-    block_table: torch.Tensor  # [num_blocks] int64
+    block_table: torch.Tensor  # [num_blocks] int64; entries before the first one a window sees may be freed (-1)
 
-    @functools.cached_property
-    def mask(self) -> torch.Tensor | None:
-        """[query_len, context_len], causal aligned to the bottom right (row i sees the cache and 0..i); None when
-        nothing is cached before the chunk. Built only where the torch path attends."""
-        if self.context_len == self.query_len:
-            return None
+    def first_key(self, window: int | None) -> int:
+        """The first position any of the chunk's rows sees: 0, or with a window of `window` tokens (each row sees
+        itself and the window - 1 before it) the first row's."""
+        return 0 if window is None else max(0, self.context_len - self.query_len - window + 1)
+
+    def mask(self, window: int | None, first: int) -> torch.Tensor:
+        """[query_len, context_len - first] over the positions from `first`: causal aligned to the bottom right
+        (row i sees the cache and 0..i), and with a window the last `window` positions only. Built only where the
+        torch path attends."""
         device = self.block_table.device
         rows = torch.arange(self.query_len, device=device)[:, None] + (self.context_len - self.query_len)
-        return torch.arange(self.context_len, device=device)[None, :] <= rows
+        keys = torch.arange(first, self.context_len, device=device)[None, :]
+        visible = keys <= rows
+        return visible if window is None else visible & (keys > rows - window)
 
 
 @dataclass
@@ -57,21 +65,26 @@ class PrefillBatch:
 
 @dataclass
 class DecodeGroup:
-    """Decode rows [start, end): one query token each, attended together over contexts padded to the longest."""
+    """Decode rows [start, end): one query token each, attended together over contexts padded to the longest,
+    from the first block any of them sees."""
 
     start: int
     end: int
-    block_tables: torch.Tensor  # [rows, max_blocks]
-    max_context: int
-    mask: torch.Tensor  # [rows, 1, 1, max_context]
+    block_tables: torch.Tensor  # [rows, blocks seen], from the first block any row sees
+    length: int  # positions gathered: from that block's first to the longest context's end
+    mask: torch.Tensor  # [rows, 1, 1, length]
 
     @classmethod
-    def build(cls, rows: range, block_tables: torch.Tensor, context_lens: torch.Tensor, max_context: int,
-              block_size: int) -> DecodeGroup:
-        tables = block_tables[rows.start:rows.stop, : cdiv(max_context, block_size)]
-        positions = torch.arange(max_context, device=tables.device)
-        mask = (positions[None, :] < context_lens[rows.start:rows.stop, None])[:, None, None, :]
-        return cls(rows.start, rows.stop, tables, max_context, mask)
+    def build(cls, rows: range, block_tables: torch.Tensor, context_lens: torch.Tensor, contexts: list[int],
+              block_size: int, window: int | None) -> DecodeGroup:
+        """`contexts`: the rows' context lengths, as a list; with a `window`, each row sees its last `window`."""
+        first_block = 0 if window is None else max(0, min(contexts) - window) // block_size
+        tables = block_tables[rows.start:rows.stop, first_block: cdiv(max(contexts), block_size)]
+        first = first_block * block_size
+        positions = torch.arange(first, max(contexts), device=tables.device)[None, :]
+        lens = context_lens[rows.start:rows.stop, None]
+        mask = positions < lens if window is None else (positions < lens) & (positions >= lens - window)
+        return cls(rows.start, rows.stop, tables, max(contexts) - first, mask[:, None, None, :])
 
 
 def group_by_context(context_lens: list[int], growth: float = 1.5) -> list[range]:
@@ -119,19 +132,21 @@ class AttentionMetadata:
         """The prefill chunks for the varlen kernels; built on first use, once per step."""
         return PrefillBatch.of(self.prefills)
 
+    def decode_groups(self, window: int | None) -> list[DecodeGroup]:
+        """The decode rows split by length for the torch path, each row seeing its last `window` positions (None:
+        all); built on first use, once per step and window."""
+        groups = self._decode_groups.get(window)
+        if groups is None:
+            lens = self.decode_context_list
+            groups = self._decode_groups[window] = [
+                DecodeGroup.build(rows, self.decode_block_tables, self.decode_context_lens,
+                                  lens[rows.start:rows.stop], self.block_size, window)
+                for rows in group_by_context(lens)]
+        return groups
+
     @functools.cached_property
-    def decode_groups(self) -> list[DecodeGroup]:
-        """The decode rows split by length for the torch path; built on first use, once per step."""
-        lens = self.decode_context_list
-        return [DecodeGroup.build(rows, self.decode_block_tables, self.decode_context_lens,
-                                  max(lens[rows.start:rows.stop]), self.block_size) for rows in group_by_context(lens)]
-
-
-def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                      dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
-    # Head-major within a block: one head's rows of a block are contiguous, so a decode kernel streams them.
-    shape = (2, num_blocks, num_kv_heads, block_size, head_dim)
-    return [zeros_streamed(shape, dtype, device) for _ in range(num_layers)]
+    def _decode_groups(self) -> dict[int | None, list[DecodeGroup]]:
+        return {}
 
 
 @dataclass(frozen=True)
@@ -142,6 +157,9 @@ class HeadLayout:
     num_kv_heads: int
     head_dim: int
     scale: float  # of the scores, head_dim ** -0.5 in the models served
+    window: int | None = None  # sliding-window attention: each token sees itself and the window - 1 before it
+    softcap: float | None = None  # scores soft-capped to softcap * tanh(score / softcap) (Gemma 2)
+    sinks: bool = False  # each head's softmax joined by a learned logit of its own, no value behind it (gpt-oss)
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The fused projection's rows [T, (H + 2 KVH) D] as views q [T, H, D], k and v [T, KVH, D]."""
@@ -157,6 +175,10 @@ class TorchPagedAttention:
     # Whether a decode-only step attends each row on its own, in an order that does not depend on the other rows
     # (batch-invariant mode needs it): not here, where a group's rows attend over contexts padded to its longest.
     row_invariant_decode = False
+    # The rotary embedding's kernel, the one element-wise op attention runs.
+    ops: TorchOps = TorchOps()
+    # Where the heads have sinks: their logits [H], float32, handed over once loaded (`model.Attention.pack`).
+    sinks: torch.Tensor | None = None
 
     def __init__(self, heads: HeadLayout):
         self.heads = heads
@@ -170,7 +192,7 @@ class TorchPagedAttention:
         """qkv: the fused projection [T, (H + 2 KVH) D], its q and k heads rotated here in place; kv_cache:
         [2, blocks, KVH, block_size, D]. Writes this step's keys and values, returns the attention [T, H D]."""
         # q and k heads are adjacent columns: rotate them in one pass.
-        ops.rotary_(qkv, cos, sin, self.heads.num_heads + self.heads.num_kv_heads, self.heads.head_dim)
+        self.ops.rotary_(qkv, cos, sin, self.heads.num_heads + self.heads.num_kv_heads, self.heads.head_dim)
         q, k, v = self.heads.split(qkv)
         self.write_kv(k, v, kv_cache, meta)
         return self.attend(q, k, v, kv_cache, meta).view(qkv.shape[0], -1)
@@ -189,7 +211,7 @@ class TorchPagedAttention:
         """The prefill chunks' attention into their rows of `out` [T, H, D]."""
         for chunk in meta.prefills:
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
-            out[rows] = self._prefill(q[rows], k[rows], v[rows], kv_cache, chunk)
+            out[rows] = self._prefill(q[rows], k[rows], v[rows], kv_cache, chunk, meta.block_size)
 
     def write_kv(self, k, v, kv_cache, meta: AttentionMetadata) -> None:
         kv_cache[0][meta.slot_blocks, :, meta.slot_offsets] = k
@@ -200,132 +222,81 @@ class TorchPagedAttention:
         return _gather(kv_cache[0], block_tables, length), _gather(kv_cache[1], block_tables, length)
 
     def decode(self, q, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
-        return torch.cat([self._decode_group(q[g.start:g.end], kv_cache, g) for g in meta.decode_groups])
+        return torch.cat([self._decode_group(q[g.start:g.end], kv_cache, g)
+                          for g in meta.decode_groups(self.heads.window)])
 
     def _decode_group(self, q, kv_cache, group: DecodeGroup) -> torch.Tensor:
-        keys, values = self.gather(kv_cache, group.block_tables, group.max_context)
-        out = F.scaled_dot_product_attention(q[:, :, None, :], keys.to(q.dtype), values.to(q.dtype),
-                                             attn_mask=group.mask, scale=self.scale, enable_gqa=True)
+        keys, values = self.gather(kv_cache, group.block_tables, group.length)
+        out = self._attention(q[:, :, None, :], keys.to(q.dtype), values.to(q.dtype), group.mask)
         return out[:, :, 0, :]
 
-    def _prefill(self, q, k, v, kv_cache, chunk: PrefillChunk) -> torch.Tensor:
+    def _attention(self, q, keys, values, mask: torch.Tensor | None) -> torch.Tensor:
+        """softmax(q k^T * scale, masked) v over [B, H, rows, D] q and [B, KVH, length, D] keys and values; None: a
+        causal mask. Soft-capped scores and sinks are computed as they are in transformers (eager attention)."""
+        if self.heads.softcap is None and not self.heads.sinks:
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None,
+                                                  scale=self.scale, enable_gqa=True)
+        groups = q.shape[1] // keys.shape[1]
+        keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
+        scores = torch.matmul(q, keys.transpose(-1, -2)) * self.scale
+        if self.heads.softcap is not None:
+            scores = torch.tanh(scores / self.heads.softcap) * self.heads.softcap
+        if mask is None:
+            mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~mask, float("-inf"))
+        if self.heads.sinks:
+            if self.sinks is None:
+                raise RuntimeError("attention with sinks called before its sink logits were handed over")
+            return torch.matmul(softmax_with_sinks(scores.float(), self.sinks).to(q.dtype), values)
+        return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), values)
+
+    def _prefill(self, q, k, v, kv_cache, chunk: PrefillChunk, block_size: int) -> torch.Tensor:
         q = q.transpose(0, 1)[None]
-        if chunk.mask is None:  # nothing cached before this chunk: attend to it alone
-            keys, values = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
-            out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=self.scale,
-                                                 enable_gqa=True)
+        window = self.heads.window
+        if chunk.context_len == chunk.query_len and (window is None or window >= chunk.query_len):
+            # nothing cached before this chunk, and no window inside it: attend to the chunk alone, causally
+            out = self._attention(q, k.transpose(0, 1)[None], v.transpose(0, 1)[None], None)
         else:
-            keys, values = self.gather(kv_cache, chunk.block_table[None], chunk.context_len)
-            out = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=chunk.mask,
-                                                 scale=self.scale, enable_gqa=True)
+            first_block = chunk.first_key(window) // block_size
+            first = first_block * block_size
+            keys, values = self.gather(kv_cache, chunk.block_table[None, first_block:], chunk.context_len - first)
+            out = self._attention(q, keys.to(q.dtype), values.to(q.dtype), chunk.mask(window, first))
         return out[0].transpose(0, 1)
 
 
-class WidenedDecodeAttention(TorchPagedAttention):
-    """The torch path for bf16 on CPUs where the native kernels do not apply (no compiler, or a head size they do
-    not take), its decode attention in float32: torch's bf16 flash attention for one query row ran 2.5-3.8x slower
-    than its float32 one at 200-512 tokens of context on a Zen 3 (218 against 86 us at 200), more than the upcast
-    costs. Prefill chunks, where the two were within 10 %, stay in bf16."""
+def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """softmax over each row of [B, H, rows, L] scores joined by its head's sink logit, the sink's share then
+    dropped: it takes probability mass and adds no value. transformers' gpt-oss eager attention, the row's max
+    subtracted first as there."""
+    joined = torch.cat([scores, sinks[:, None, None].expand(*scores.shape[:-1], 1)], dim=-1)
+    joined = joined - joined.amax(dim=-1, keepdim=True)
+    return torch.softmax(joined, dim=-1)[..., :-1]
 
-    def _decode_group(self, q, kv_cache, group: DecodeGroup) -> torch.Tensor:
-        return super()._decode_group(q.float(), kv_cache, group).to(q.dtype)
 
+class ScaledPagedAttention(TorchPagedAttention):
+    """The reference over an int8 / fp8 cache (`kv_cache_format.ScaledKVCache`): quantize on write, dequantize what a
+    step gathers."""
 
-class CpuPagedAttention(TorchPagedAttention):
-    """KV writes and decode attention straight from the paged cache (bf16 on CPU) by the native kernels:
-    `kernels/cpu_attention_kernels.cpp` on AVX512-BF16, `kernels/cpu_avx2_kernels.cpp` (in float32) on AVX2; a
-    decode-only step's rotary, write and attention in one native call."""
-
-    row_invariant_decode = True  # one task per (row, KV head), over exactly the row's context
-
-    def __init__(self, heads: HeadLayout, kernels):
+    def __init__(self, heads: HeadLayout, quantize=quantize_per_row):
         super().__init__(heads)
-        self.kernels = kernels
+        self.quantize = quantize
 
-    def __call__(self, qkv, cos, sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
-        if meta.prefills:
-            return super().__call__(qkv, cos, sin, kv_cache, meta)
-        return self.kernels.decode_step_bf16(qkv, cos, sin, kv_cache, *decode_step_arguments(meta, self.heads))
+    def write_kv(self, k, v, kv_cache: ScaledKVCache, meta: AttentionMetadata) -> None:
+        for i, x in enumerate((k, v)):
+            q, scale = self.quantize(x)
+            kv_cache.data[i][meta.slot_blocks, :, meta.slot_offsets] = q
+            kv_cache.scale[i][meta.slot_blocks, :, meta.slot_offsets] = scale
 
-    @staticmethod
-    def supports(kernels, dtype: torch.dtype, device: torch.device, head_dim: int) -> bool:
-        return kernels is not None and dtype == torch.bfloat16 and device.type == "cpu" and head_dim % 32 == 0
-
-    def write_kv(self, k, v, kv_cache, meta: AttentionMetadata) -> None:
-        self.kernels.write_kv_bf16(k, v, kv_cache[0], kv_cache[1], meta.slot_blocks, meta.slot_offsets)
-
-    def decode(self, q, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
-        return self.kernels.paged_decode_attention_bf16(q, kv_cache[0], kv_cache[1],
-                                                        meta.decode_block_tables, meta.decode_context_lens,
-                                                        self.scale)
-
-
-class NativePrefillAttention(CpuPagedAttention):
-    """`CpuPagedAttention` with prefill chunks by the module's native kernel too: all of a step's in one call,
-    straight from the paged cache, on AMX tiles (`kernels/amx_prefill_attention.cpp`) where the CPU has them and
-    Linux grants them, else with AVX512-BF16 dot products (`kernels/avx512_prefill_attention.cpp`). torch's flash
-    attention over each chunk's (gathered) context took 30 % of a prefill step on a Sapphire Rapids VM and 17 % of
-    the mixed workload on a Zen 5, its bf16 products through MKL's generic fp32 path on AMD."""
-
-    def prefill(self, q, k, v, kv_cache, meta: AttentionMetadata, out: torch.Tensor) -> None:
-        batch = meta.prefill_batch
-        self.kernels.prefill_attention_bf16(q, kv_cache[0], kv_cache[1], batch.query_starts, batch.query_lens,
-                                            batch.context_lens, batch.block_tables, self.scale, out)
-
-    @staticmethod
-    def supports(kernels, dtype: torch.dtype, device: torch.device, head_dim: int) -> bool:
-        # The AMX build's kernel needs Linux's leave to use the tiles; the AVX512-BF16 build's has no such check.
-        return (CpuPagedAttention.supports(kernels, dtype, device, head_dim) and head_dim <= 128
-                and hasattr(kernels, "prefill_attention_bf16")
-                and (not hasattr(kernels, "amx_usable") or kernels.amx_usable()))
-
-
-class TritonPagedAttention(TorchPagedAttention):
-    """CUDA: rotary and the KV write in one kernel (`kernels/triton_ops.py`), decode and prefill attention straight
-    from the paged cache (`kernels/triton_paged_attention.py`), no context gathered. A decode-only step reads only
-    the metadata's tensors, so a CUDA graph can replay it."""
-
-    graph_safe = True
-
-    def __init__(self, heads: HeadLayout):
-        from .kernels import triton_ops
-
-        super().__init__(heads)
-        self.triton_ops = triton_ops
-
-    def __call__(self, qkv, cos, sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
-        h = self.heads
-        self.triton_ops.rotary_and_write_kv_(qkv, cos, sin, h.num_heads, h.num_kv_heads, h.head_dim, kv_cache,
-                                             meta.slot_blocks, meta.slot_offsets)
-        q = qkv[:, : h.num_heads * h.head_dim].view(-1, h.num_heads, h.head_dim)
-        return triton_attend(q, (kv_cache[0], kv_cache[1], None, None), meta, self.scale).view(qkv.shape[0], -1)
-
-
-def triton_attend(q: torch.Tensor, planes: tuple, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """The step's attention by the Triton kernels over a cache whose `planes` are (keys, values, key scales, value
-    scales), the scales None for a dense cache; this step's keys and values are in it already."""
-    from .kernels.triton_paged_attention import paged_decode, paged_prefill
-
-    out = q.new_empty(q.shape)
-    if meta.num_decodes:
-        paged_decode(q[:meta.num_decodes], planes[0], planes[1], meta.decode_block_tables, meta.decode_context_lens,
-                     scale, planes[2], planes[3], out=out[:meta.num_decodes])
-    if meta.prefills:
-        batch = meta.prefill_batch
-        paged_prefill(q, planes[0], planes[1], batch.block_tables, batch.query_starts, batch.query_lens,
-                      batch.context_lens, batch.max_query_len, scale, planes[2], planes[3], out=out)
-    return out
-
-
-def decode_step_arguments(meta: AttentionMetadata, heads: HeadLayout) -> tuple:
-    """What the native decode steps take after the cache."""
-    return (meta.slot_blocks, meta.slot_offsets, meta.decode_block_tables, meta.decode_context_lens, heads.num_heads,
-            heads.num_kv_heads, heads.scale)
+    def gather(self, kv_cache: ScaledKVCache, block_tables: torch.Tensor, length: int):
+        return tuple(_gather(kv_cache.data[i], block_tables, length).to(kv_cache.scale.dtype)
+                     * _gather(kv_cache.scale[i][..., None], block_tables, length) for i in (0, 1))
 
 
 def _gather(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
-    """[blocks, KVH, block_size, D] cache, [B, nb] tables -> [B, KVH, length, D]."""
+    """[blocks, KVH, block_size, D] cache, [B, nb] tables -> [B, KVH, length, D]. A freed entry (-1, out of a
+    window) gathers block 0 in its place: the mask hides what it holds."""
     batch, num_blocks = block_tables.shape
     _, heads, block_size, dim = cache.shape
-    blocks = cache.index_select(0, block_tables.flatten()).view(batch, num_blocks, heads, block_size, dim)
+    blocks = cache.index_select(0, block_tables.flatten().clamp(min=0)).view(batch, num_blocks, heads, block_size,
+                                                                            dim)
     return blocks.transpose(1, 2).reshape(batch, heads, num_blocks * block_size, dim)[:, :, :length]

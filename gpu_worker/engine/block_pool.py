@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
-from .block_hash import BlockKey, block_id
+from services.text.block_hash import BlockKey, block_id
 
 
 class KVEventLog:

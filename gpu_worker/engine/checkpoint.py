@@ -14,13 +14,17 @@ from typing import Protocol
 import torch
 from safetensors import safe_open
 
-from .builtin_models import BUILTIN_MODELS, ensure_builtin
-from .errors import ModelLoadError
+from services.text import model_paths
+from services.text.builtin_models import BUILTIN_MODELS
+from services.text.errors import ModelLoadError
+from services.text.model_paths import checkpoint_path
+from services.text.tokenizer import Tokenizer
+from services.text.tokenizer_files import hf_tokenizer
+
+from .builtin_models import ensure_builtin
 from .model_config import ModelConfig
-from .packaged_models import PACKAGED_MODELS, packaged_model_path
 from .quantization.formats import CheckpointFormat, read_checkpoint_format
 from .quantization.weights import QuantizedWeight
-from .tokenizer import Tokenizer
 
 
 class Checkpoint(Protocol):
@@ -42,12 +46,7 @@ class HFCheckpoint:
         self.quantization = read_checkpoint_format(model_dir, json.loads((model_dir / "config.json").read_text()))
 
     def tokenizer(self) -> Tokenizer:
-        from transformers import AutoTokenizer
-
-        try:
-            return Tokenizer(AutoTokenizer.from_pretrained(str(self.path)))
-        except (OSError, ValueError) as exc:
-            raise ModelLoadError(f"cannot load the tokenizer in {self.path}: {exc}") from exc
+        return hf_tokenizer(self.path)
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         for file in self._files():
@@ -66,43 +65,15 @@ class HFCheckpoint:
         raise ModelLoadError(f"{self.path} has no model.safetensors or model.safetensors.index.json")
 
 
-def is_model_name(model: str) -> bool:
-    """A name we resolve ourselves (a built-in or packaged model), as opposed to a path."""
-    return model in BUILTIN_MODELS or model in PACKAGED_MODELS
-
-
 def resolve_model_path(model: str) -> Path:
-    """A built-in or packaged model's checkpoint, or `model` itself: an HF directory, a .gguf file or a
-    directory holding one."""
-    if model in BUILTIN_MODELS:
-        return ensure_builtin(model)
-    if model in PACKAGED_MODELS:
-        return packaged_model_path(model)
-    path = Path(model)
-    if not (path.is_dir() or (path.is_file() and path.suffix == ".gguf")):
-        raise ModelLoadError(
-            f"model {model!r} is neither a known name ({', '.join([*PACKAGED_MODELS, *BUILTIN_MODELS])}) "
-            "nor a local HF directory or .gguf file"
-        )
-    return path
-
-
-def checkpoint_path(model: str | Path) -> Path:
-    """What a model name or path is loaded from: an HF directory or a .gguf file (a directory without a
-    config.json serves the one GGUF file it holds)."""
-    path = resolve_model_path(str(model))
-    if path.is_dir() and not (path / "config.json").is_file():
-        ggufs = sorted(path.glob("*.gguf"))
-        if len(ggufs) > 1:
-            raise ModelLoadError(f"{path} holds several GGUF files ({', '.join(g.name for g in ggufs)}): "
-                                 "pass the one to serve")
-        path = ggufs[0] if ggufs else path  # none: HFCheckpoint names what is missing
-    return path
+    """As the text layer resolves it (`services.text.model_paths`), a built-in model's checkpoint written
+    first: its weights need torch."""
+    return ensure_builtin(model) if model in BUILTIN_MODELS else model_paths.resolve_model_path(model)
 
 
 def open_checkpoint(model: str | Path) -> Checkpoint:
     """A model name or path -> its checkpoint (reads the config; weights are read when iterated)."""
-    path = checkpoint_path(model)
+    path = checkpoint_path(resolve_model_path(str(model)))
     if path.suffix == ".gguf":
         from .gguf.checkpoint import GgufCheckpoint
 

@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 # Tokens per KV block where none is asked for: 128 on CPU, as vLLM's CPU backend. Decode attention reads a head's
-# block as one run, and the hardware prefetcher loses each short run: over 16-token blocks (2 KiB runs at 64 dims)
-# it took 2.17 ms a layer against 1.74 at 128, and the mixed benchmark ran 7 % faster (Sapphire Rapids VM). Prefix
-# caching then shares whole 128-token blocks. Elsewhere 16.
+# block as one run, and the hardware prefetcher loses each short run: 16-token blocks (2 KiB runs at 64 dims) slow
+# the CPU's decode attention and the mixed workload (`python -m bench.lab.decode_parts`, `tokenfleet bench engine`).
+# Prefix caching then shares whole 128-token blocks. Elsewhere 16.
 DEFAULT_BLOCK_SIZE = {"cpu": 128}
 
 
@@ -35,6 +35,12 @@ class EngineConfig:
     deterministic: bool = False
     # CUDA graphs off: decode steps launch their kernels one by one, as on CPU (vLLM's enforce_eager).
     enforce_eager: bool = False
+    # The instruction sets the CPU kernels are chosen for (`kernel_choice.CPU_ISAS`): "native", this CPU's; "avx2",
+    # those of a CPU with AVX2, FMA and F16C but no AVX-512, AMX or AVX-VNNI, to measure its kernels on this one.
+    cpu_isa: str = "native"
+    # The element-wise ops and attention by their torch references instead of the native (CPU) or Triton (CUDA)
+    # kernels, the linears' kernels as chosen: what those kernels are measured against.
+    torch_ops: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size is None:

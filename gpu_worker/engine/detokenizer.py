@@ -7,7 +7,7 @@ could still become a stop string is held back too, so a stop string never reache
 
 from __future__ import annotations
 
-from .tokenizer import Tokenizer
+from services.text.tokenizer import Tokenizer
 
 
 class IncrementalDetokenizer:

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from .model_runner import ModelRunner
-from .scheduler import ScheduledChunk, SchedulerOutput
+from .scheduler_output import ScheduledChunk, SchedulerOutput
 from .sequence import Sequence
 from .speculative import Proposer, SpeculativeConfig
 

@@ -1,10 +1,10 @@
 """Host memory: on CPU, what every decode step streams (weights, the KV cache) on transparent huge pages; for
 CUDA, a step's inputs in pinned memory.
 
-With 4 KiB pages nearly every few kilobytes streamed cost a TLB miss: the CPU attention kernel ran 10-20% slower
-over a 4 KiB-page KV cache, and SmolLM2's batch-1 decode on a Zen 4 ran faster with its weights on huge pages
-(`python -m bench.huge_pages`; figures in bench/RESULTS.md). Linux hands them out only to memory
-that asks (`madvise`) when transparent_hugepage is "madvise", as on most servers; elsewhere ordinary pages serve.
+With 4 KiB pages nearly every few kilobytes streamed cost a TLB miss, which slows the CPU attention kernel over the
+KV cache and batch-1 decode over the weights (`tokenfleet bench engine`; bench/RESULTS.md). Linux hands huge pages
+out only to memory that asks (`madvise`) when transparent_hugepage is "madvise", as on most servers; elsewhere
+ordinary pages serve.
 """
 
 from __future__ import annotations
@@ -39,12 +39,11 @@ def keep_freed_memory() -> None:
 
     glibc maps a block over its mmap threshold (which adapts, up to 32 MiB) afresh and unmaps it when freed, and
     trims the heap's free top past twice that threshold, so every step faulted its large temporaries back in, a
-    zeroed page at a time: 4 % of a mixed workload's CPU time went to the kernel's page-fault path on a Sapphire
-    Rapids VM, and with both thresholds fixed high that workload ran 3-6 % faster. Blocks past the 32 MiB ceiling
-    (a 4096-token prefill step's gate_up output on tokenfleet-large is 32 MiB and a header) were still mapped
-    afresh; with no new mappings at all they come from the heap too: that GEMM went from 391 to 429 GFLOP/s in the
-    mixed workload on a Zen 4 VM. The process keeps its largest step's memory, which the next such step needs anyway
-    (what vLLM-CPU gets by preloading tcmalloc)."""
+    zeroed page at a time, in the kernel's page-fault path. With both thresholds fixed high, and no new mappings at
+    all (blocks past the 32 MiB ceiling, such as a 4096-token prefill step's gate_up output on tokenfleet-large,
+    would still be mapped afresh), they come from the heap: the mixed workload of `tokenfleet bench engine` runs
+    faster. The process keeps its largest step's memory, which the next such step needs anyway (what vLLM-CPU gets by
+    preloading tcmalloc)."""
     mallopt = _libc("mallopt")
     if mallopt is None:  # not glibc: its allocator's own policy serves
         return
@@ -105,7 +104,7 @@ def collapse_onto_huge_pages(spans: list[tuple[int, int]]) -> int:
     4 KiB pages: after a decode step's attention has streamed the KV cache through the caches and the TLB, the next
     GEMM's page walks for its weight come back from memory too. Spans a few bytes apart (consecutive allocations) are
     joined first, so that weights smaller than a huge page still land on them. The kernel copies each 2 MiB range
-    into a huge page (~0.5 s for tokenfleet-large's 190 MiB on an AMX Xeon VM), preserving its contents."""
+    into a huge page, preserving its contents: a one-off cost at start-up, against every step's page walks."""
     joined: list[list[int]] = []
     for start, nbytes in sorted(spans):
         if joined and start - joined[-1][1] <= _ADJACENT_GAP:

@@ -1,17 +1,16 @@
 """Linear layers behind one small interface: a torch reference kernel and the CPU bf16 kernels.
 
-On CPU, bf16 `F.linear` re-lays out its weight for oneDNN on every call; packing it once at load time
-(the layout inductor's CPU freezing uses) runs the same math 1.3-1.9x faster here. For a single row
-(batch-1 decode, memory-bound) our AVX512-BF16 loop in `kernels/cpu_kernels.cpp` reads weights ~1.5x
-faster still, and up to 5 rows (a decode step with speculative guesses) 1.1-1.2x. On AMX CPUs a decode step's 6-192
-rows go to our tile loop (`kernels/amx_linear.cpp`), which reads oneDNN's packed copy in place: 1.05-1.4x oneDNN's
-own matmul on the same weight. On CPUs without native bf16
-products (plain AVX2), where oneDNN will not pack bf16, the weight is
-widened to float32 as it is read. The reference stays the default everywhere else and is what exactness tests
-compare against.
+On CPU, bf16 `F.linear` re-lays out its weight for oneDNN on every call; packing it once at load time (the layout
+inductor's CPU freezing uses) runs the same math faster. For the few rows of a decode step (memory-bound) our
+AVX512-BF16 GEMV in `kernels/cpu_kernels.cpp` reads the weights faster still; on AMX CPUs a decode step's rows up to
+AMX_LINEAR_ROWS go to our tile loop (`kernels/amx_linear.cpp`), which reads oneDNN's packed copy in place. On CPUs
+without native bf16 products (plain AVX2), where oneDNN will not pack bf16, the weight is widened to float32 as it
+is read. The reference stays the default everywhere else and is what exactness tests compare against. The row
+counts each kernel serves are where it measured faster than the next (`tokenfleet bench engine`, the linears'
+rates by `python -m bench.lab.linear_rates`; bench/RESULTS.md).
 Quantized weights plug in as more kernels (`quantization/kernels.py`), each holding its own weight.
 Batch-invariant mode (`EngineConfig.deterministic`) packs every bf16 weight for one kernel instead, whose rows
-do not depend on one another (`RowInvariantBf16LinearKernel`).
+do not depend on one another (`RowInvariantBf16LinearKernel`). `kernel_choice` picks each weight's kernel.
 """
 
 from __future__ import annotations
@@ -27,8 +26,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from .host_memory import collapse_onto_huge_pages
-from .kernels import cpu_family, cpu_kernels, quant_cpu_kernels
-from .quantization.kernels import quantized_linear_kernel
 from .quantization.weights import QuantizedWeight
 
 # The row count oneDNN tunes the packed layout for; it serves every row count correctly.
@@ -47,24 +44,17 @@ log = logging.getLogger(__name__)
 class GemvPlan:
     """How `gemv_bf16` reads each thread's share of the weight rows: as `streams` sequential streams, a row from
     each in turn, asking for each stream's row `prefetch_rows` ahead as it starts on one (0: the hardware prefetcher
-    alone). The outputs are the same bits whatever the plan. Measured on tokenfleet-large's GEMVs (200 MB; `tokenfleet
-    bench gemv`, bench/RESULTS.md):
-
-    - the default, two streams with the prefetch: on a Zen 5 VM 87-94 % of the read bandwidth at 1-5 rows, where
-      four unaided streams read 81 % at one row and 38 % at five; on an Emerald Rapids-class AMX Xeon VM 94 % at one
-      row and 73-86 % at 2-5, where four unaided streams read 78 % and 50-66 % (on a Sapphire Rapids-class VM
-      four unaided streams had read 96 % at one row, two 91 %; two with the prefetch were not measured there);
-    - a Zen 4 (AMD family 19h) reads faster unaided: two streams without the prefetch 1.12-1.14x the default at 1-2
-      rows, 1.02-1.03x at 3 and 5 (96 % of the read bandwidth against 85 %), and batch-1 decode 1.14x (1.03-1.47,
-      ten rounds alternating in one engine)."""
+    alone). The outputs are the same bits whatever the plan; the share of the read bandwidth each plan reaches, by
+    CPU family, is `python -m bench.lab.gemv_plans`'s (bench/RESULTS.md)."""
 
     streams: int = 2
     prefetch_rows: int = 2
 
     @classmethod
     def for_cpu(cls, vendor: str, family: int) -> GemvPlan:
-        """The plan for a CPU by its /proc/cpuinfo vendor_id and cpu family (`kernels.cpu_family`). Family 19h is
-        also Zen 3, whose bf16 linears take another kernel (no AVX512-BF16)."""
+        """The plan for a CPU by its /proc/cpuinfo vendor_id and cpu family (`kernels.cpu_family`): a Zen 4 (AMD
+        family 19h) reads faster with no software prefetch, every other CPU measured with it. Family 19h is also
+        Zen 3, whose bf16 linears take another kernel (no AVX512-BF16)."""
         return cls(prefetch_rows=0) if (vendor, family) == ("AuthenticAMD", 0x19) else cls()
 
 
@@ -75,12 +65,13 @@ class TorchLinearKernel:
 
 class OneDnnPackedLinearKernel:
     """oneDNN's matmul over the weight it packed for itself; a few rows by `gemv_bf16` over the plain weight, and a
-    decode step's rows on AMX over oneDNN's packed copy (`amx_tiles`) where the CPU has it."""
+    decode step's rows on AMX over oneDNN's packed copy (`amx_tiles`) where the CPU has it. `native`: the module of
+    the GEMV and the AMX matmul (`kernels.NativeKernels.avx512_bf16`), or None (oneDNN serves every row count)."""
 
-    def __init__(self, weight: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, native, gemv_plan: GemvPlan):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACKING_BATCH_HINT)
-        self.native = cpu_kernels() if weight.shape[1] % 32 == 0 else None  # the GEMV's and the AMX matmul's module
-        self.gemv_plan = GemvPlan.for_cpu(*cpu_family())
+        self.native = native if weight.shape[1] % 32 == 0 else None
+        self.gemv_plan = gemv_plan
         self.out_features = weight.shape[0]
         self.tiles = amx_tiles(self.packed, weight, self.native)
 
@@ -97,27 +88,23 @@ class OneDnnPackedLinearKernel:
         """Where oneDNN keeps the packed weight: (address, bytes)."""
         return torch.ops.mkldnn.data_ptr(self.packed), torch.ops.mkldnn._nbytes(self.packed)
 
-    @staticmethod
-    def supports(weight: torch.Tensor) -> bool:
-        return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and onednn_packs_bf16()
-
 
 class WidenedBf16LinearKernel:
     """bf16 weights on CPUs without native bf16 products (plain AVX2), where oneDNN will not pack them and torch's
-    bf16 linear ran at 5.5 GFLOP/s (float32: 26-30) on a Zen 1: `kernels/quant_cpu_kernels.cpp` widens the weight
-    to float32 as it reads it (a GEMV for a few rows, float32 tiles for more), keeping only the bf16 copy."""
+    bf16 linear runs several times slower than its float32 one: `kernels/quant_cpu_kernels.cpp`
+    (`kernels.NativeKernels.quant`) widens the weight to float32 as it reads it (a GEMV for a few rows, float32
+    tiles for more), keeping only the bf16 copy."""
 
-    def __init__(self, weight: torch.Tensor):
-        self.native = quant_cpu_kernels()
+    def __init__(self, weight: torch.Tensor, native):
+        self.native = native
+
+    @staticmethod
+    def takes(weight: torch.Tensor) -> bool:
+        return weight.shape[1] % 32 == 0
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         y = self.native.bf16_mm(x, weight)
         return y if bias is None else y + bias
-
-    @staticmethod
-    def supports(weight: torch.Tensor) -> bool:
-        return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.shape[1] % 32 == 0
-                and not onednn_packs_bf16() and quant_cpu_kernels() is not None)
 
 
 class RowInvariantBf16LinearKernel:
@@ -125,8 +112,8 @@ class RowInvariantBf16LinearKernel:
     rows, so a token's result does not depend on what shares its step, where the default kernels switch between
     a GEMV and oneDNN's matmul, each blocking the sum its own way."""
 
-    def __init__(self, weight: torch.Tensor):
-        self.native = cpu_kernels()
+    def __init__(self, weight: torch.Tensor, native):
+        self.native = native  # `kernels.NativeKernels.avx512_bf16`
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         y = self.native.rowwise_mm_bf16(x.reshape(-1, x.shape[-1]).contiguous(), weight)
@@ -134,9 +121,8 @@ class RowInvariantBf16LinearKernel:
         return y if bias is None else y + bias
 
     @staticmethod
-    def supports(weight: torch.Tensor) -> bool:
-        return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.shape[1] % 32 == 0
-                and weight.is_contiguous() and cpu_kernels() is not None)
+    def takes(weight: torch.Tensor) -> bool:
+        return weight.shape[1] % 32 == 0 and weight.is_contiguous()
 
 
 def amx_tiles(packed: torch.Tensor, weight: torch.Tensor, kernels) -> torch.Tensor | None:
@@ -199,33 +185,29 @@ class Linear(nn.Linear):
         float32_output = getattr(self.kernel, "float32_output", None)
         return self.forward(x) if float32_output is None else float32_output(x, self.bias)
 
-    def pack(self, batch_invariant: bool = False) -> None:
-        """Prepack the loaded weight for the CPU kernel; the original stays for tied embeddings."""
-        if self.weight is None:
-            return
-        kernels = (RowInvariantBf16LinearKernel,) if batch_invariant else (OneDnnPackedLinearKernel,
-                                                                           WidenedBf16LinearKernel)
-        for kernel in kernels:
-            if kernel.supports(self.weight):
-                self.kernel = kernel(self.weight)
-                return
+    def pack(self, kernels) -> None:
+        """The loaded weight's kernel, as `kernels` (a `kernel_choice.KernelSet`) chooses it, packing the weight where
+        that kernel packs; the original stays for tied embeddings."""
+        if self.weight is not None:
+            self.kernel = kernels.linears.dense(self.weight)
 
-    def quantize(self, weight: QuantizedWeight, dtype: torch.dtype, device: torch.device,
-                 shares_weight: bool = False) -> None:
+    def quantize(self, weight: QuantizedWeight, kernels, shares_weight: bool = False) -> None:
+        """Serve `weight` by the kernel `kernels` (a `kernel_choice.KernelSet`) chooses, dropping the dense weight.
+        `shares_weight`: the weight is also the embedding table (a tied LM head)."""
         if tuple(weight.shape) != (self.out_features, self.in_features):
             raise ValueError(f"quantized weight of shape {tuple(weight.shape)} for a linear of "
                              f"{(self.out_features, self.in_features)}")
-        self.kernel = quantized_linear_kernel(weight.to(device), dtype, device, shares_weight)
+        self.kernel = kernels.linears.quantized(weight, shares_weight)
         self.weight = None
 
 
-def pack_linears(model: nn.Module, batch_invariant: bool = False) -> None:
-    """Packs every linear's weight for its CPU kernel, oneDNN's packed copies then moved onto huge pages: in the
-    mixed workload on an AMX Xeon VM, 1.018x (0.96-1.03) over eight runs alternating with an engine whose copies
-    stayed on 4 KiB pages (`collapse_onto_huge_pages`)."""
+def pack_linears(model: nn.Module, kernels) -> None:
+    """Packs every linear's weight for its kernel (`Linear.pack`), oneDNN's packed copies then moved onto huge pages
+    (`collapse_onto_huge_pages`), as the dense weights are: the mixed workload of `tokenfleet bench engine` reads
+    them every step."""
     linears = [module for module in model.modules() if isinstance(module, Linear)]
     for module in linears:
-        module.pack(batch_invariant)
+        module.pack(kernels)
     packed = [m.kernel.packed_span() for m in linears if isinstance(m.kernel, OneDnnPackedLinearKernel)]
     if packed:
         moved = collapse_onto_huge_pages(packed)

@@ -13,8 +13,8 @@ from .sampling_params import SamplingParams
 
 # Tokens a step may carry when the caller does not say, on CPU: vLLM's default for its offline LLM class there,
 # which favours throughput over a running request's time between tokens (its server, like our services, keeps
-# 2048). The mixed benchmark on an AMX Xeon, alternating processes: 4096 against 2048 a median +2 % over seven
-# pairs (-0.3 to +8 %: fewer, larger prefill steps), 8192 against 4096 -4 to -6 % in two.
+# 2048): fewer, larger prefill steps serve the mixed workload of `tokenfleet bench engine` a little faster than at
+# 2048, and larger budgets again slower.
 OFFLINE_CPU_MAX_NUM_BATCHED_TOKENS = 4096
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
@@ -9,17 +10,18 @@ from dataclasses import dataclass
 
 import torch
 
+from services.text.errors import CONTEXT_LENGTH_EXCEEDED, InvalidRequestError, ModelLoadError
+
 from .checkpoint import Checkpoint, open_checkpoint
 from .config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from .cuda_graphs import DecodeGraphs
 from .detokenizer import IncrementalDetokenizer
 from .draft_proposer import DraftModelProposer
-from .errors import CONTEXT_LENGTH_EXCEEDED, InvalidRequestError, ModelLoadError
 from .host_memory import keep_freed_memory
-from .kv_cache_format import kv_cache_format
+from .kernel_choice import choose_kernels, kernel_summary
 from .kv_cache_manager import KVCacheManager, cdiv
 from .linear import Linear
-from .loader import kernel_summary, load_model
+from .loader import load_model
 from .memory_profile import kv_cache_budget
 from .model import Transformer
 from .model_config import ModelConfig, resolve_dtype, resolve_max_model_len
@@ -29,7 +31,8 @@ from .prompt_logprobs import PromptLogprobs
 from .quantization.methods import WeightQuantizer, load_time_quantizer
 from .sampler import SampledToken
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from .scheduler import Scheduler, SchedulerConfig
+from .scheduler_output import SchedulerOutput
 from .sequence import ResumedChoice, Sequence
 from .speculative import NgramProposer, NoProposer, Proposer, SpeculationStats, SpeculativeConfig
 
@@ -77,15 +80,16 @@ class LLMEngine:
         self.tokenizer = checkpoint.tokenizer()
         self.eos_token_ids = self.model_config.eos_token_ids | self.tokenizer.eos_token_ids
         quantizer = load_time_quantizer(config.quantization, checkpoint.quantization, self.device)
-        self.kv_format = kv_cache_format(config.kv_cache_dtype, self.dtype, self.device)
-        model = load_model(checkpoint, self.dtype, self.device, quantizer, self.kv_format, config.deterministic)
+        self.kernels = choose_kernels(config, self.dtype)
+        self.kv_format = self.kernels.kv_format
+        model = load_model(checkpoint, self.kernels, quantizer)
         speculative = SpeculativeConfig.parse(config.speculative)
         draft = self._load_draft(speculative, checkpoint, model)
-        graphs = self.device.type == "cuda" and not config.enforce_eager and all(
-            layer.self_attn.attn.graph_safe for layer in model.layers)
+        graphs = self.kernels.decode_graphs and model.graph_capturable
         num_blocks = self._num_blocks(model, draft.config if speculative and speculative.method == "draft" else None,
                                       config.max_num_seqs if graphs else 0)
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                 window=self.model_config.window_of_every_layer)
         cfg = self.model_config
         # With CUDA graphs, one block more than the pool hands out: the padding rows' (`cuda_graphs.py`).
         kv_caches = self.kv_format.allocate(cfg.num_layers, num_blocks + graphs, config.block_size, cfg.num_kv_heads,
@@ -100,7 +104,7 @@ class LLMEngine:
                  f" quantized ({quantizer.method} at load)" if quantizer else
                  f" quantized ({checkpoint.quantization.name})" if checkpoint.quantization else "",
                  self.kv_format.name, num_blocks, config.block_size, num_blocks * config.block_size)
-        log.info("kernels: %s", kernel_summary(model))
+        log.info("kernels: %s", kernel_summary(model, self.kernels))
         self.requests: dict[str, RequestState] = {}
         self.busy_seconds = 0.0
         self._seq_counter = 0
@@ -108,29 +112,25 @@ class LLMEngine:
         if self.device.type == "cpu":
             keep_freed_memory()
 
-    def proposer_for(self, config: SpeculativeConfig | None) -> Proposer:
-        """The proposer `config` names, drafting into this engine's KV cache (a benchmark switches between them;
-        a draft model's KV cache then comes on top of the engine's budget)."""
-        return self._proposer(config, self._load_draft(config, open_checkpoint(self.config.model), self.runner.model))
-
     def _load_draft(self, config: SpeculativeConfig | None, checkpoint: Checkpoint,
                     target: Transformer) -> Transformer | None:
-        """The draft model's weights, loaded before the KV cache is sized from the memory left (or None)."""
+        """The draft model's weights, loaded before the KV cache is sized from the memory left (or None), on the
+        target's kernels, never batch-invariant ones."""
         if config is None or config.method == "ngram":
             return None
+        kernels = choose_kernels(dataclasses.replace(self.config, deterministic=False), self.dtype)
         if config.method == "draft":  # a smaller model with the target's tokenizer
             draft = open_checkpoint(config.model)
             vocab, probe = draft.config.vocab_size, "Draft models must split text as the target does: 3.14 über 日本"
             if vocab != self.model_config.vocab_size or draft.tokenizer().encode(probe) != self.tokenizer.encode(probe):
                 raise ModelLoadError(f"draft model {draft.path} does not share the target's tokenizer "
                                      f"(vocabulary {vocab}, the target's {self.model_config.vocab_size})")
-            return load_model(draft, self.dtype, self.device, None, self.kv_format)
+            return load_model(draft, kernels)
         if not any(isinstance(m, Linear) and m.weight is not None for m in target.modules()):
             raise ModelLoadError(f"speculative method {config.method} drafts with the target's dense weights "
                                  "quantized; this model's are quantized already (the draft would be the model "
                                  "itself): serve a dense checkpoint, or use another method")
-        return load_model(checkpoint, self.dtype, self.device, WeightQuantizer(config.self_draft_quantization),
-                          self.kv_format)
+        return load_model(checkpoint, kernels, WeightQuantizer(config.self_draft_quantization))
 
     def _proposer(self, config: SpeculativeConfig | None, draft: Transformer | None) -> Proposer:
         if config is None:

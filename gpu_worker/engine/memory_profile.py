@@ -45,7 +45,7 @@ def largest_step(model: Transformer, kv_format, block_size: int, max_tokens: int
         hidden = model(torch.zeros(max_tokens, dtype=torch.long, device=device), positions, caches, meta)
         rows = min(max_rows, max_tokens)
         params = [SamplingParams(temperature=0.8, top_p=0.9, logprobs=1)] * rows
-        Sampler()(model.logits(hidden[:rows]), SamplingBatch(params, [0.5] * rows, [[]] * rows, [[]] * rows))
+        Sampler(model.ops)(model.logits(hidden[:rows]), SamplingBatch(params, [0.5] * rows, [[]] * rows, [[]] * rows))
 
     return caches, run
 

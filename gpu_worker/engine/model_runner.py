@@ -14,7 +14,7 @@ from .kv_cache_manager import cdiv
 from .model import Transformer
 from .prompt_logprobs import PromptLogprobs, prompt_logprobs, scores_prompt
 from .sampler import SampledToken, Sampler, SamplingBatch, position_uniform
-from .scheduler import ScheduledChunk, SchedulerOutput
+from .scheduler_output import ScheduledChunk, SchedulerOutput
 from .speculative import accepted_prefix
 
 
@@ -27,7 +27,7 @@ class ModelRunner:
         self.device = device
         self.block_size = block_size
         self.kv_caches = kv_caches  # one per layer, as the engine's KVCacheFormat allocated them
-        self.sampler = Sampler()
+        self.sampler = Sampler(model.ops)
         # The chunks attended as decode rows, each token on its own over its context: decode steps; in
         # batch-invariant mode (a model loaded so) every chunk, so that no token's attention depends on where its
         # prompt's chunks start and end, which the step's shared token budget decides (nor on a prefix-cache hit,

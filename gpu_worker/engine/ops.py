@@ -1,10 +1,11 @@
-"""Element-wise model ops with a torch reference each, the native CPU kernel or the Triton one (CUDA) where
-they apply.
+"""The model's element-wise ops behind one interface: `TorchOps`, the reference of each, and the native CPU kernels
+or the Triton ones (CUDA) as its subclasses, each handing a tensor it does not take to the reference.
+`kernel_choice` picks one set per model.
 
-bf16 element-wise ops in torch on CPU run several times slower than their fp32 math needs; the kernels in
-`kernels/elementwise.h` (built for AVX-512, or AVX2 where the CPU has no AVX512-BF16) do the same math with the
-same bf16 rounding, in one pass. On CUDA each torch op is a launch and a round trip through memory;
-`kernels/triton_ops.py` makes each op one.
+bf16 element-wise ops in torch on CPU take several passes over memory and round between them; the kernels in
+`kernels/elementwise.h` (built for AVX-512, or AVX2 where the CPU has no AVX512-BF16) do the same math with the same
+bf16 rounding in one pass. On CUDA each torch op is a launch and a round trip through memory; `kernels/triton_ops.py`
+makes each op one.
 """
 
 from __future__ import annotations
@@ -12,36 +13,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .kernels import bf16_kernels, triton_available
 from .rope import apply_rotary
-
-
-def _native(x: torch.Tensor, vector_width: int = 0):
-    """The native element-wise kernels where they apply: contiguous bf16 on CPU, `vector_width` a multiple of 32."""
-    if x.dtype != torch.bfloat16 or x.device.type != "cpu" or vector_width % 32 or not x.is_contiguous():
-        return None
-    return bf16_kernels()
-
-
-def _triton(x: torch.Tensor):
-    """The Triton kernels where they apply: contiguous tensors on CUDA."""
-    if x.device.type != "cuda" or not x.is_contiguous() or not triton_available():
-        return None
-    from .kernels import triton_ops
-
-    return triton_ops
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # HF's rounding: normalize in float32, round to the model dtype, then scale.
     return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if triton := _triton(x):
-        return triton.rms_norm(x, weight, eps)[0]
-    native = _native(x, x.shape[-1])
-    return native.rms_norm_bf16(x, weight, eps) if native else rms_norm_reference(x, weight, eps)
 
 
 def add_rms_norm_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
@@ -50,28 +27,21 @@ def add_rms_norm_reference(x: torch.Tensor, residual: torch.Tensor, weight: torc
     return rms_norm_reference(summed, weight, eps), summed
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(norm(x + residual), x + residual): the residual stream's add fused into the norm that follows it."""
-    if (triton := _triton(x)) and residual.is_contiguous():
-        return triton.rms_norm(x, weight, eps, residual)
-    native = _native(x, x.shape[-1])
-    if native and residual.is_contiguous():
-        return tuple(native.add_rms_norm_bf16(x, residual, weight, eps))
-    return add_rms_norm_reference(x, residual, weight, eps)
-
-
 def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """[T, 2I] = [gate | up] -> silu(gate) * up."""
-    if triton := _triton(x):
-        return triton.silu_and_mul(x)
-    native = _native(x, x.shape[-1])
-    return native.silu_and_mul_bf16(x) if native else silu_and_mul_reference(x)
+def gelu_tanh_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+def clamped_swiglu_and_mul_reference(x: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """transformers' gpt-oss expert activation, operation for operation."""
+    gate, up = x.chunk(2, dim=-1)
+    gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
 def rotary_reference_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, head_dim: int) -> None:
@@ -79,19 +49,96 @@ def rotary_reference_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, h
     qk.copy_(apply_rotary(qk, cos[:, None, :], sin[:, None, :]))
 
 
-def rotary_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, head_dim: int) -> None:
-    """Rotate, in place, the first `heads` heads of each [T, W] row: q and k heads sit side by side."""
-    if triton := _triton(qkv):
-        triton.rotary_(qkv, cos, sin, heads, head_dim)
-        return
-    native = _native(qkv, head_dim)
-    if native:
-        native.rotary_inplace_bf16(qkv, cos, sin, heads, head_dim)
-    else:
+class TorchOps:
+    """The references: what the kernels are tested against, and what serves where none applies."""
+
+    module = None  # the native module whose kernels serve, if any
+    fused_moe = None  # a mixture of experts in one kernel (`moe.SparseMoE`), where there is one
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return rms_norm_reference(x, weight, eps)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): the residual stream's add fused into the norm that follows it."""
+        return add_rms_norm_reference(x, residual, weight, eps)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, 2I] = [gate | up] -> silu(gate) * up."""
+        return silu_and_mul_reference(x)
+
+    def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, 2I] = [gate | up] -> gelu_tanh(gate) * up (Gemma's GeGLU)."""
+        return gelu_tanh_and_mul_reference(x)
+
+    def clamped_swiglu_and_mul(self, x: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+        """[T, 2I] = [gate | up] -> (up + 1) * gate * sigmoid(alpha * gate), gate clamped above at limit and up
+        to ±limit first (gpt-oss's experts); every op set serves it by this reference."""
+        return clamped_swiglu_and_mul_reference(x, alpha, limit)
+
+    def rotary_(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, head_dim: int) -> None:
+        """Rotate, in place, the first `heads` heads of each [T, W] row: q and k heads sit side by side."""
         rotary_reference_(qkv, cos, sin, heads, head_dim)
 
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """Row-wise argmax, first index on ties; exact on model-dtype logits (upcasting changes no order)."""
+        return logits.argmax(dim=-1)
 
-def argmax(logits: torch.Tensor) -> torch.Tensor:
-    """Row-wise argmax, first index on ties; exact on model-dtype logits (upcasting changes no order)."""
-    native = _native(logits)
-    return native.argmax_bf16(logits) if native else logits.argmax(dim=-1)
+
+class NativeCpuOps(TorchOps):
+    """bf16 on CPU by a native module's kernels (`kernels.NativeKernels.bf16`): contiguous bf16 tensors whose rows
+    (or heads) are a multiple of 32 wide."""
+
+    def __init__(self, module):
+        self.module = module
+
+    def rms_norm(self, x, weight, eps):
+        return self.module.rms_norm_bf16(x, weight, eps) if _takes(x, x.shape[-1]) else super().rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        if _takes(x, x.shape[-1]) and residual.is_contiguous():
+            return tuple(self.module.add_rms_norm_bf16(x, residual, weight, eps))
+        return super().add_rms_norm(x, residual, weight, eps)
+
+    def silu_and_mul(self, x):
+        return self.module.silu_and_mul_bf16(x) if _takes(x, x.shape[-1]) else super().silu_and_mul(x)
+
+    def rotary_(self, qkv, cos, sin, heads, head_dim):
+        if _takes(qkv, head_dim):
+            self.module.rotary_inplace_bf16(qkv, cos, sin, heads, head_dim)
+        else:
+            super().rotary_(qkv, cos, sin, heads, head_dim)
+
+    def argmax(self, logits):
+        return self.module.argmax_bf16(logits) if _takes(logits) else super().argmax(logits)
+
+
+def _takes(x: torch.Tensor, vector_width: int = 0) -> bool:
+    return x.dtype == torch.bfloat16 and vector_width % 32 == 0 and x.is_contiguous()
+
+
+class TritonOps(TorchOps):
+    """CUDA: each op one Triton kernel (`kernels/triton_ops.py`), over contiguous tensors; argmax stays torch's."""
+
+    def __init__(self):
+        from .kernels import triton_moe, triton_ops
+
+        self.triton = triton_ops
+        self.fused_moe = triton_moe.fused_moe
+
+    def rms_norm(self, x, weight, eps):
+        return self.triton.rms_norm(x, weight, eps)[0] if x.is_contiguous() else super().rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        if x.is_contiguous() and residual.is_contiguous():
+            return self.triton.rms_norm(x, weight, eps, residual)
+        return super().add_rms_norm(x, residual, weight, eps)
+
+    def silu_and_mul(self, x):
+        return self.triton.silu_and_mul(x) if x.is_contiguous() else super().silu_and_mul(x)
+
+    def rotary_(self, qkv, cos, sin, heads, head_dim):
+        if qkv.is_contiguous():
+            self.triton.rotary_(qkv, cos, sin, heads, head_dim)
+        else:
+            super().rotary_(qkv, cos, sin, heads, head_dim)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from .model import Transformer
-from .scheduler import ScheduledChunk
+from .scheduler_output import ScheduledChunk
 
 # Rows projected to the vocabulary at once: bounds the float32 logits of a long prefill chunk.
 ROWS_PER_PROJECTION = 256

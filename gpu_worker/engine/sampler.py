@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from . import ops
 from .host_memory import to_device
+from .ops import TorchOps
 from .sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -42,11 +42,14 @@ class SampledToken:
 
 
 class Sampler:
+    def __init__(self, ops: TorchOps):
+        self.ops = ops  # the model's: a greedy batch's argmax over its logits
+
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> list[SampledToken]:
         params = batch.params
         num_logprobs = [p.logprobs for p in params]
         if all(p.greedy and not p.has_penalties and n is None for p, n in zip(params, num_logprobs, strict=True)):
-            return [SampledToken(t, None) for t in ops.argmax(logits).tolist()]
+            return [SampledToken(t, None) for t in self.ops.argmax(logits).tolist()]
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(n is not None for n in num_logprobs) else None
         if any(p.has_penalties for p in params):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from .errors import InvalidRequestError
+from services.text.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
 

@@ -7,9 +7,10 @@ the lowest-priority, newest running sequence is preempted by recompute and goes 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .kv_cache_manager import KVCacheManager
+from .scheduler_output import ScheduledChunk, SchedulerOutput
 from .sequence import Sequence, SequenceStatus
 from .speculative import NoProposer, Proposer, SpeculationStats, record_kept
 
@@ -21,47 +22,6 @@ class SchedulerConfig:
     max_model_len: int = 2048
     # A waiting sequence gains one priority level per this many steps, so low priority never starves.
     priority_aging_steps: int = 1000
-
-
-@dataclass
-class ScheduledChunk:
-    """Run tokens [start, start + num_tokens) of `seq`; sample a token after them when `sample` is set.
-
-    A decode chunk may end in `guesses`, a proposer's tokens after the sequence's last (at most `max_guesses`, for
-    which it holds KV slots): the step scores them too, and the sequence keeps those the model agrees with
-    (speculative decoding)."""
-
-    seq: Sequence
-    start: int
-    num_tokens: int
-    block_table: list[int]
-    sample: bool
-    guesses: list[int] = field(default_factory=list)
-    max_guesses: int = 0
-
-    def add_guesses(self, guesses: list[int]) -> None:
-        self.guesses = guesses[:self.max_guesses]
-        self.num_tokens += len(self.guesses)
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.seq.token_ids[self.start:self.start + self.num_tokens - len(self.guesses)] + self.guesses
-
-
-@dataclass
-class SchedulerOutput:
-    """The per-step contract between the scheduler and the model runner."""
-
-    chunks: list[ScheduledChunk] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.chunks
 
 
 class Scheduler:

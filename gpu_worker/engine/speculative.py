@@ -18,14 +18,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .scheduler_output import ScheduledChunk
 from .sequence import Sequence
-
-if TYPE_CHECKING:
-    from .scheduler import ScheduledChunk
 
 # ngram: prompt lookup; draft: a smaller model with the target's tokenizer (`draft_model`); self-int8 / self-int4:
 # the target's own weights quantized at load time draft the guesses.

@@ -19,10 +19,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from sqlalchemy import Engine
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gateway.auth import authenticate
-from gateway.schemas import RequestError
-from services import protocol as p
 from services.accounting import dashboard, reports
+from services.base import protocol as p
+from services.openai_api.schemas import RequestError
+from services.tenancy.auth import authenticate
 
 DEFAULT_REPORT_WINDOW = timedelta(days=1)  # a report without start or end covers the day up to now
 MAX_PAGE = 1000

@@ -14,14 +14,14 @@ import redis.asyncio as aioredis
 from sqlalchemy import Engine
 from sqlalchemy.exc import DataError, IntegrityError
 
-from services import protocol as p
-from services import streams, telemetry
 from services.accounting import ledger
 from services.accounting.metrics import LedgerMetrics
-from services.accounting.prices import PriceTable
-from services.accounting.sla import SlaPolicy
-from services.redis_client import BLOCK_MS
-from services.settings import StreamSettings
+from services.base import protocol as p
+from services.base import streams, telemetry
+from services.base.redis_client import BLOCK_MS
+from services.base.settings import StreamSettings
+from services.tenancy.prices import PriceTable
+from services.tenancy.sla import SlaPolicy
 
 log = logging.getLogger(__name__)
 

@@ -12,10 +12,10 @@ from decimal import Decimal
 from sqlalchemy import Engine, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 
-from services import protocol as p
 from services.accounting.models import LedgerRow
-from services.accounting.prices import PriceTable
-from services.accounting.sla import SlaPolicy
+from services.base import protocol as p
+from services.tenancy.prices import PriceTable
+from services.tenancy.sla import SlaPolicy
 
 ANONYMOUS = "anonymous"
 RESPONSE_CACHE_HITS = ("exact", "semantic")

@@ -10,16 +10,16 @@ import socket
 
 import uvicorn
 
-from gateway import budgets
 from services.accounting import db
 from services.accounting.api import create_finance_app
 from services.accounting.consumer import LedgerConsumer
 from services.accounting.metrics import LedgerMetrics
-from services.accounting.prices import PriceTable
-from services.accounting.sla import SlaPolicy
-from services.gc_tuning import started
-from services.redis_client import connect
-from services.settings import AccountingSettings, StreamSettings
+from services.base.gc_tuning import started
+from services.base.redis_client import connect
+from services.base.settings import AccountingSettings, StreamSettings
+from services.tenancy import budgets
+from services.tenancy.prices import PriceTable
+from services.tenancy.sla import SlaPolicy
 
 
 async def serve(settings: AccountingSettings, redis_url: str) -> None:

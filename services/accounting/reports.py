@@ -20,7 +20,7 @@ from typing import Any, Literal
 from sqlalchemy import ColumnElement, Connection, Engine, Integer, case, cast, func, literal_column, or_, select
 
 from services.accounting.models import LedgerRow
-from services.accounting.sla import Attainment, percentiles
+from services.tenancy.sla import Attainment, percentiles
 
 TABLE = LedgerRow.__table__
 FIELDS = [column.name for column in TABLE.columns]  # the ledger's columns, in JSON and CSV alike

@@ -1,6 +1,6 @@
 """Rollups of the ledger per UTC hour or day, tenant and model (the `ledger_rollups` table), and retention that
 deletes raw rows only where rollups hold their figures. Plain functions of an engine; the Celery tasks in
-`services.accounting.tasks` call them on a schedule.
+`services.jobs.tasks` call them on a schedule.
 
 Every figure is computed here, in Python, from the bucket's raw rows: money as exact Decimal sums (SQLite's SUM
 of a NUMERIC column is a float sum) and latency percentiles by numpy's linear interpolation (the definition of
@@ -25,7 +25,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 
 from services.accounting.models import LedgerRollup, LedgerRow
 from services.accounting.reports import REJECTED, utc
-from services.accounting.sla import Attainment, percentiles
+from services.tenancy.sla import Attainment, percentiles
 
 Period = Literal["hour", "day"]
 SPAN: dict[str, timedelta] = {"hour": timedelta(hours=1), "day": timedelta(days=1)}

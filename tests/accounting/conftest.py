@@ -10,9 +10,9 @@ from decimal import Decimal
 
 import pytest
 
-from gateway.auth import register_key
 from services.accounting import db
-from services.redis_client import EmbeddedRedis, connect
+from services.base.redis_client import EmbeddedRedis, connect
+from services.tenancy.auth import register_key
 
 
 @pytest.fixture

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from services.accounting.prices import PriceTable
-from services.accounting.sla import Attainment, SlaPolicy
+from services.tenancy.prices import PriceTable
+from services.tenancy.sla import Attainment, SlaPolicy
 
 PRICES = """
 [default]

@@ -35,12 +35,12 @@ import pytest
 import uvicorn
 from fastapi.testclient import TestClient
 
-from services import protocol as p
 from services.accounting import dashboard, ledger
 from services.accounting.api import create_finance_app
-from services.accounting.prices import PriceTable
-from services.accounting.sla import SlaPolicy
-from services.redis_client import connect
+from services.base import protocol as p
+from services.base.redis_client import connect
+from services.tenancy.prices import PriceTable
+from services.tenancy.sla import SlaPolicy
 
 PRICES, SLA = PriceTable.load(), SlaPolicy.load()
 REPO = Path(__file__).resolve().parents[2]

@@ -13,12 +13,12 @@ from decimal import Decimal
 import pytest
 from fastapi.testclient import TestClient
 
-from services import protocol as p
 from services.accounting import ledger, reports
 from services.accounting.api import create_finance_app
-from services.accounting.prices import PriceTable
-from services.accounting.sla import SlaPolicy
-from services.redis_client import connect
+from services.base import protocol as p
+from services.base.redis_client import connect
+from services.tenancy.prices import PriceTable
+from services.tenancy.sla import SlaPolicy
 
 PRICES, SLA = PriceTable.load(), SlaPolicy.load()
 T0 = datetime(2025, 3, 1, 12, 0, tzinfo=UTC)

@@ -12,17 +12,17 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import func, select
 
-from services import protocol as p
-from services import streams
 from services.accounting import ledger
 from services.accounting.consumer import ACCOUNTING_GROUP, LedgerConsumer, no_settlement
 from services.accounting.metrics import LedgerMetrics
 from services.accounting.models import Base, LedgerRow
-from services.accounting.prices import PriceTable
-from services.accounting.sla import SlaPolicy
-from services.redis_client import EmbeddedRedis, connect
-from services.replies import end_for_client
-from services.settings import StreamSettings
+from services.base import protocol as p
+from services.base import streams
+from services.base.redis_client import EmbeddedRedis, connect
+from services.base.replies import end_for_client
+from services.base.settings import StreamSettings
+from services.tenancy.prices import PriceTable
+from services.tenancy.sla import SlaPolicy
 
 PRICES, SLA = PriceTable.load(), SlaPolicy.load()
 

@@ -21,8 +21,8 @@ from sqlalchemy import delete, func, insert, select
 from services.accounting import db, ledger, rollups
 from services.accounting.models import LedgerRollup, LedgerRow
 from services.accounting.reports import utc
-from services.accounting.tasks import APPLY_RETENTION, QUEUES, ROLLUP_RECENT, broker_url, celery_app
-from services.settings import AccountingSettings
+from services.base.settings import AccountingSettings
+from services.jobs.tasks import APPLY_RETENTION, QUEUES, ROLLUP_RECENT, broker_url, celery_app
 from tests.accounting.conftest import ledger_row as _row
 
 HOUR = datetime(2026, 3, 10, 14, tzinfo=UTC)
@@ -236,8 +236,8 @@ def test_the_broker_url_of_a_unix_socket_is_kombus():
 
 
 WORKER = """
-from services.accounting.tasks import run_worker
-from services.settings import AccountingSettings
+from services.jobs.tasks import run_worker
+from services.base.settings import AccountingSettings
 settings = AccountingSettings(database_url={url!r}, rollup_interval_s=0.5, rollup_lookback_hours=1)
 raise SystemExit(run_worker(settings, {redis_url!r}, key_prefix={prefix!r}, loglevel="WARNING"))
 """

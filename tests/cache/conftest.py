@@ -10,9 +10,9 @@ import pytest
 from cache.embedder import Embedder
 from cache.guard import conflict
 from cache.semantic_cache import KEY_PREFIX, SemanticCache
-from services.protocol import CachedChoice, CachedCompletion, Usage
-from services.redis_client import connect
-from services.settings import CacheSettings
+from services.base.protocol import CachedChoice, CachedCompletion, Usage
+from services.base.redis_client import connect
+from services.base.settings import CacheSettings
 
 
 def completion(text: str) -> CachedCompletion:

@@ -7,9 +7,9 @@ import uuid
 
 from cache.response_cache import ResponseCache
 from cache.semantic_cache import SemanticCache
-from services import protocol as p
-from services.redis_client import connect
-from services.settings import CacheSettings
+from services.base import protocol as p
+from services.base.redis_client import connect
+from services.base.settings import CacheSettings
 
 
 def _request(tenant: str, mode: str = "exact", **sampling) -> p.GenerateRequest:

@@ -9,7 +9,7 @@ import pytest
 
 from bench.semantic_cache import load_pairs
 from cache.semantic_cache import encode_vector, entry_key, ids_key
-from services.settings import CacheSettings
+from services.base.settings import CacheSettings
 
 from .conftest import completion
 

@@ -17,9 +17,9 @@ import httpx
 import pytest
 import redis as sync_redis
 
-from services import protocol as p
-from services.stack import wait_ready
-from tests.services.conftest import API_KEY, MODEL, STACK_ENV, _free_port
+from services.base import protocol as p
+from services.launcher.stack import wait_ready
+from tests.stack import API_KEY, MODEL, STACK_ENV, _free_port
 
 
 class PrivateRedis:
@@ -68,7 +68,7 @@ class FaultStack:
     def start(self, name: str, *args: str, **env: str) -> subprocess.Popen:
         """A service (`gateway`, `router`, `worker`, `accounting`, `celery`) as `tokenfleet <args>` would run it,
         with `env` added to the stack's environment."""
-        proc = subprocess.Popen([sys.executable, "-m", "services.cli", *args], env={**self.env, **env})
+        proc = subprocess.Popen([sys.executable, "-m", "services.launcher.cli", *args], env={**self.env, **env})
         self.procs[name] = proc
         return proc
 
@@ -94,14 +94,19 @@ class FaultStack:
                 return found
             time.sleep(0.2)
 
-    def billed(self, results: list[StreamResult], timeout_s: float = 60) -> dict[str, int]:
-        """The completion tokens the ledger bills each of `results`' requests, once it bills each what its client
-        got (or `timeout_s` passed: a row is written, then amended by its gateway's count)."""
-        expected, deadline = {r.request_id: r.tokens for r in results}, time.monotonic() + timeout_s
+    def misbilled(self, results: list[StreamResult], billable=None, timeout_s: float = 60) -> dict[str, tuple]:
+        """The requests of `results` whose ledger rows do not bill a count in `billable(result)` (default: exactly
+        the tokens its client got), as request id -> (billed, got), once none is left or `timeout_s` passed (a row
+        is written, then amended by its gateway's count)."""
+        billable = billable or (lambda result: {result.tokens})
+        wanted, deadline = {r.request_id: r for r in results}, time.monotonic() + timeout_s
         while True:
-            billed = {rid: row["completion_tokens"] for rid, row in self.ledger(set(expected), timeout_s).items()}
-            if billed == expected or time.monotonic() > deadline:
-                return billed
+            rows = self.ledger(set(wanted), timeout_s)
+            wrong = {rid: (rows[rid]["completion_tokens"] if rid in rows else None, r.tokens)
+                     for rid, r in wanted.items()
+                     if rid not in rows or rows[rid]["completion_tokens"] not in billable(r)}
+            if not wrong or time.monotonic() > deadline:
+                return wrong
             time.sleep(0.5)
 
     def ledger_of_tenant(self, tenant: str) -> list[dict]:
@@ -152,6 +157,7 @@ class StreamResult:
     status: int = 0
     request_id: str | None = None
     tokens: int = 0  # tokens the client received (one logprobs entry each)
+    last_chunk_tokens: int = 0  # of those, the ones in the last chunk that carried any
     usage_tokens: int | None = None  # what the final usage chunk said
     error: dict | None = None
     done: bool = False  # ended with [DONE]
@@ -192,8 +198,9 @@ def _read_event(result: StreamResult, line: str) -> None:
         result.error = chunk["error"]
         return
     result.request_id = chunk["id"].split("-", 1)[1]
-    for choice in chunk["choices"]:
-        result.tokens += len((choice.get("logprobs") or {}).get("tokens") or [])
+    if tokens := sum(len((choice.get("logprobs") or {}).get("tokens") or []) for choice in chunk["choices"]):
+        result.tokens += tokens
+        result.last_chunk_tokens = tokens
     if chunk.get("usage"):
         result.usage_tokens = chunk["usage"]["completion_tokens"]
 
@@ -214,3 +221,9 @@ def ended_replies(redis: sync_redis.Redis, request_id: str, timeout_s: float = 2
             return chunks
         assert time.monotonic() < deadline, f"the reply stream of {request_id} did not end: {chunks}"
         time.sleep(0.1)
+
+
+def got_or_got_before_the_last_chunk(result: StreamResult) -> set[int]:
+    """What a killed gateway's journal may bill a client: a chunk is journaled just after its socket write, so a kill
+    between the two bills the client what it got before that chunk. Never more than it got."""
+    return {result.tokens, result.tokens - result.last_chunk_tokens}

@@ -25,11 +25,11 @@ import pytest
 import redis as sync_redis
 
 from bench.faults import Up
-from gpu_worker.engine import builtin_models
-from services.redis_client import KeptRedis
-from services.stack import embedded_redis
+from services.base.redis_client import KeptRedis
+from services.launcher.stack import embedded_redis
+from services.text import builtin_models
 from tests.faults.conftest import StreamResult, stream_completion
-from tests.services.conftest import API_KEY, MODEL, STACK_ENV, _free_port
+from tests.stack import API_KEY, MODEL, STACK_ENV, _free_port
 
 RECOVERY_S = 20  # from the supervisor's resume to the first request served again
 STREAM_TOKENS = 200  # long enough to be mid-stream at a fault

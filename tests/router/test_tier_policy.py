@@ -12,9 +12,9 @@ import pytest
 import router
 from router.classifier import TierClassifier
 from router.policy import TierPolicy, TierRule, route
-from router.prompt_encoder import PromptEncoder
 from router.train import embed_texts, read_labeled
-from services import protocol as p
+from services.base import protocol as p
+from services.text.prompt_encoder import PromptEncoder
 
 RULE = TierRule("small", "large", max_prompt_tokens=100, max_tokens=50)
 BOTH = {"small", "large"}

@@ -8,13 +8,13 @@ agree bit for bit: scales are multiplied together before they meet the quants, a
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import gguf
 import numpy as np
 import torch
 
-from ..errors import ModelLoadError
+from services.text.errors import ModelLoadError
 
 GGMLType = gguf.GGMLQuantizationType
 _QK_K = 256  # elements in a K-quant super-block
@@ -108,6 +108,18 @@ SUPPORTED_TYPES: frozenset[GGMLType] = frozenset(_DECODERS)
 
 def dequantize(tensor: gguf.ReaderTensor) -> torch.Tensor:
     """The tensor's values as float32, in torch's orientation (GGUF lists dims innermost first)."""
+    return _decode(tensor, tensor.data, [int(n) for n in reversed(tensor.shape)])
+
+
+def dequantize_experts(tensor: gguf.ReaderTensor) -> Iterator[torch.Tensor]:
+    """A stacked [experts, rows, cols] tensor as one float32 matrix per expert, each decoded when it is asked for
+    (an expert's rows are contiguous in the file): no float32 copy of the whole stack is held."""
+    shape = [int(n) for n in reversed(tensor.shape)]
+    for expert in range(shape[0]):
+        yield _decode(tensor, tensor.data[expert], shape[1:])
+
+
+def _decode(tensor: gguf.ReaderTensor, data: np.ndarray, shape: list[int]) -> torch.Tensor:
     decode = _DECODERS.get(tensor.tensor_type)
     if decode is None:
         supported = ", ".join(sorted(t.name for t in SUPPORTED_TYPES))
@@ -116,7 +128,6 @@ def dequantize(tensor: gguf.ReaderTensor) -> torch.Tensor:
             f"dequantize; supported types: {supported}"
         )
     # A copy: the reader's array is a read-only view of the memory-mapped file, and F32 would alias it.
-    raw = torch.from_numpy(np.array(tensor.data).reshape(-1).view(np.uint8))
+    raw = torch.from_numpy(np.array(data).reshape(-1).view(np.uint8))
     _, bytes_per_block = gguf.GGML_QUANT_SIZES[tensor.tensor_type]
-    values = decode(raw.view(-1, bytes_per_block))
-    return values.reshape([int(n) for n in reversed(tensor.shape)])
+    return decode(raw.view(-1, bytes_per_block)).reshape(shape)

@@ -1,5 +1,7 @@
-"""Native kernels, built on first use with torch's C++ extension loader and cached on disk; each loader returns
-None where the CPU lacks the instructions its source is written for (the torch path serves, just slower)."""
+"""Native kernels, built on first use with torch's C++ extension loader and cached on disk, and the CPU they are
+chosen for (/proc/cpuinfo, read once). `NativeKernels` holds the modules a CPU with given flags runs, each None where
+the flags lack the instructions its source is written for (the torch path serves); `kernel_choice` picks from
+them."""
 
 from __future__ import annotations
 
@@ -35,8 +37,12 @@ def cpu_has_avx512_bf16() -> bool:
 KERNEL_ISAS = ("amx_bf16", "amx_int8", "avx512_bf16", "avx512_vnni", "avx512f", "avx_vnni", "avx2", "fma")
 
 
+def isa_names(flags: frozenset[str]) -> list[str]:
+    return [isa for isa in KERNEL_ISAS if isa in flags]
+
+
 def cpu_isa() -> list[str]:
-    return [isa for isa in KERNEL_ISAS if isa in cpu_flags()]
+    return isa_names(cpu_flags())
 
 
 def cpu_model() -> str:
@@ -77,7 +83,7 @@ AVX2_FLAGS = frozenset({"avx2", "fma"})
 
 
 def _build_dir() -> Path:
-    from ..builtin_models import cache_dir
+    from services.text.builtin_models import cache_dir
 
     # A folder per checkout: torch rebuilds a module whose source path changed, and two checkouts sharing one
     # folder (a CI clone beside a working tree) deleted each other's .so while the other was loading it.
@@ -95,12 +101,12 @@ class NativeModule:
     cflags: tuple[str, ...]
     needs: frozenset[str]
 
-    def fits_this_cpu(self) -> bool:
-        return cpu_has(self.needs)
+    def fits(self, flags: frozenset[str]) -> bool:
+        return self.needs <= flags
 
     def built(self) -> bool:
         """Whether its library is on disk, no older than its sources and the headers they include."""
-        library = _build_dir() / f"{self.name}.so"
+        library = self.build_dir() / f"{self.name}.so"
         return library.is_file() and all(library.stat().st_mtime >= path.stat().st_mtime for path in self.inputs())
 
     def inputs(self) -> set[Path]:
@@ -114,19 +120,30 @@ class NativeModule:
                 pending += [here / name for name in re.findall(r'^#include "([^"]+)"', path.read_text(), re.M)]
         return found
 
+    def build_dir(self) -> Path:
+        """Its own folder: torch's loader locks and writes build.ninja per folder, so modules sharing one could not
+        be compiled at once."""
+        return _build_dir() / self.name
+
     def load(self):
         """The compiled module (compiling it first where needed), or None where it cannot be built."""
-        from torch.utils.cpp_extension import load
+        return _load(self)
 
-        here, build = Path(__file__).parent, _build_dir()
-        build.mkdir(parents=True, exist_ok=True)
-        try:
-            return load(name=self.name, sources=[str(here / source) for source in self.sources],
-                        build_directory=str(build), extra_cflags=["-O3", *self.cflags, "-fopenmp"],
-                        extra_ldflags=["-fopenmp"])
-        except Exception as exc:  # no compiler or ninja
-            log.warning("%s unavailable (%s); using the torch path", " + ".join(self.sources), exc)
-            return None
+
+@functools.cache
+def _load(module: NativeModule):
+    """Each module is built and imported once a process."""
+    from torch.utils.cpp_extension import load
+
+    here, build = Path(__file__).parent, module.build_dir()
+    build.mkdir(parents=True, exist_ok=True)
+    try:
+        return load(name=module.name, sources=[str(here / source) for source in module.sources],
+                    build_directory=str(build), extra_cflags=["-O3", *module.cflags, "-fopenmp"],
+                    extra_ldflags=["-fopenmp"])
+    except Exception as exc:  # no compiler or ninja
+        log.warning("%s unavailable (%s); using the torch path", " + ".join(module.sources), exc)
+        return None
 
 
 CPU_KERNEL_SOURCES = ("cpu_kernels.cpp", "cpu_attention_kernels.cpp", "amx_prefill_attention.cpp",
@@ -149,21 +166,76 @@ QUANT_AMX_MODULE = NativeModule("tokenfleet_quant_amx_kernels", ("quant_amx_kern
                                  "-mavx512bf16"), QUANT_AMX_FLAGS)
 
 
-def _avx512_bf16_module() -> NativeModule | None:
-    """The module `cpu_kernels` loads on this CPU (the AMX build where it has AMX), or None."""
-    return next((m for m in (CPU_AMX_MODULE, CPU_MODULE) if m.fits_this_cpu()), None)
+def _avx512_bf16_module(flags: frozenset[str]) -> NativeModule | None:
+    """The AVX512-BF16 module for a CPU with these flags (the AMX build where it has AMX), or None."""
+    return next((m for m in (CPU_AMX_MODULE, CPU_MODULE) if m.fits(flags)), None)
 
 
-def _bf16_module() -> NativeModule | None:
-    """The module `bf16_kernels` loads on this CPU, or None."""
-    return _avx512_bf16_module() or (AVX2_MODULE if AVX2_MODULE.fits_this_cpu() else None)
+def _bf16_module(flags: frozenset[str]) -> NativeModule | None:
+    """The module `NativeKernels.bf16` loads for these flags, or None."""
+    return _avx512_bf16_module(flags) or (AVX2_MODULE if AVX2_MODULE.fits(flags) else None)
+
+
+class NativeKernels:
+    """The native modules a CPU with these flags runs, each built and loaded on first use: None where the flags lack
+    its instructions or it cannot be built (the torch path serves)."""
+
+    def __init__(self, flags: frozenset[str]):
+        self.flags = flags
+
+    @functools.cached_property
+    def avx512_bf16(self):
+        """`cpu_kernels.cpp` + `cpu_attention_kernels.cpp` + the prefill attention (bf16 element-wise ops, GEMV, decode
+        attention over bf16 and int8 caches, prefill attention: on AMX tiles where the CPU has them,
+        `amx_prefill_attention.cpp`, else `avx512_prefill_attention.cpp`; the AMX build adds `amx_linear.cpp`) as one
+        module (it needs AVX512-BF16)."""
+        module = _avx512_bf16_module(self.flags)
+        return module.load() if module is not None else None
+
+    @functools.cached_property
+    def bf16(self):
+        """The element-wise ops and decode attention: `avx512_bf16` where the flags have AVX512-BF16 (all of its
+        kernels), else `cpu_avx2_kernels.cpp` (on AVX2 + FMA vectors: the element-wise kernels, and a decode step's
+        rotary, KV write and attention in float32 from the paged cache)."""
+        module = _bf16_module(self.flags)
+        return module.load() if module is not None else None
+
+    @functools.cached_property
+    def quant(self):
+        """`quant_cpu_kernels.cpp` + `quant_avx2_gemv.cpp` (int8 / int4 products, bf16 or fp32 activations, or int8
+        ones for int4's GEMV; bf16 products for CPUs without native bf16) as one module (it needs AVX2 + FMA +
+        F16C)."""
+        if not QUANT_CPU_MODULE.fits(self.flags):
+            log.warning("quantized CPU kernels need AVX2, FMA and F16C; using the torch path")
+            return None
+        return QUANT_CPU_MODULE.load()
+
+    @functools.cached_property
+    def quant_vnni(self):
+        """`quant_vnni_kernels.cpp` + `quant_vnni_gemm.cpp` (int8 / int4 products with int8 activations, for few rows
+        and for many) as one module (it needs AVX512-VNNI: Intel since Cascade Lake, AMD since Zen 4)."""
+        return QUANT_VNNI_MODULE.load() if QUANT_VNNI_MODULE.fits(self.flags) else None
+
+    @functools.cached_property
+    def quant_amx(self):
+        """`quant_amx_kernels.cpp` (int8 / int4 products for tens of rows on AMX) as a module (it needs AMX: Intel
+        since Sapphire Rapids, and Linux's leave to use it)."""
+        if not QUANT_AMX_MODULE.fits(self.flags):
+            return None
+        module = QUANT_AMX_MODULE.load()
+        return module if module is not None and module.amx_usable() else None
+
+
+@functools.cache
+def native_kernels(flags: frozenset[str]) -> NativeKernels:
+    return NativeKernels(flags)
 
 
 def cpu_worker_modules() -> list[NativeModule]:
     """The modules a CPU worker may load on this CPU: the bf16 one, and the quantized linears' (the default model
     is served quantized)."""
-    bf16 = _bf16_module()
-    quantized = [m for m in (QUANT_CPU_MODULE, QUANT_VNNI_MODULE, QUANT_AMX_MODULE) if m.fits_this_cpu()]
+    bf16 = _bf16_module(cpu_flags())
+    quantized = [m for m in (QUANT_CPU_MODULE, QUANT_VNNI_MODULE, QUANT_AMX_MODULE) if m.fits(cpu_flags())]
     return ([bf16] if bf16 else []) + quantized
 
 
@@ -178,52 +250,36 @@ def build_cpu_worker_kernels() -> None:
         module.load()
 
 
-@functools.cache
+def cpu_modules() -> list[NativeModule]:
+    """Every module this CPU can run, the one with the most sources first."""
+    flags = cpu_flags()
+    fitting = [m for m in (_avx512_bf16_module(flags), AVX2_MODULE, QUANT_CPU_MODULE, QUANT_VNNI_MODULE,
+                           QUANT_AMX_MODULE) if m is not None and m.fits(flags)]
+    return sorted(fitting, key=lambda m: -len(m.sources))
+
+
+def compiled(module: NativeModule) -> bool:
+    """Compiles `module` where needed (in a child process of `python -m gpu_worker.engine.kernels`)."""
+    return module.load() is not None
+
+
+# This CPU's modules, as kernel tests and benchmarks call them (the engine's come through `kernel_choice`).
 def cpu_kernels():
-    """`cpu_kernels.cpp` + `cpu_attention_kernels.cpp` + the prefill attention (bf16 element-wise ops, GEMV, decode
-    attention over bf16 and int8 caches, prefill attention: on AMX tiles where the CPU has them,
-    `amx_prefill_attention.cpp`, else `avx512_prefill_attention.cpp`) as one module, or None (it needs
-    AVX512-BF16)."""
-    module = _avx512_bf16_module()
-    return module.load() if module is not None else None
+    return native_kernels(cpu_flags()).avx512_bf16
 
 
-@functools.cache
 def avx2_kernels():
-    """`cpu_avx2_kernels.cpp` (on AVX2 + FMA vectors: the element-wise kernels of `cpu_kernels`, and a decode step's
-    rotary, KV write and attention in float32 from the paged cache), or None."""
-    return AVX2_MODULE.load() if AVX2_MODULE.fits_this_cpu() else None
+    """The AVX2 module, on any CPU with AVX2 (one with AVX512-BF16 serves with `cpu_kernels`)."""
+    return AVX2_MODULE.load() if AVX2_MODULE.fits(cpu_flags()) else None
 
 
-def bf16_kernels():
-    """The native bf16 kernels for this CPU: `cpu_kernels` where it has AVX512-BF16 (all of them), else the AVX2
-    module (the element-wise ops and decode attention), or None (the torch path serves)."""
-    return cpu_kernels() if cpu_has_avx512_bf16() else avx2_kernels()
-
-
-@functools.cache
 def quant_cpu_kernels():
-    """`quant_cpu_kernels.cpp` + `quant_avx2_gemv.cpp` (int8 / int4 products, bf16 or fp32 activations, or int8
-    ones for int4's GEMV; bf16 products for CPUs without native bf16) as one module, or None (it needs AVX2 + FMA +
-    F16C)."""
-    if not QUANT_CPU_MODULE.fits_this_cpu():
-        log.warning("quantized CPU kernels need AVX2, FMA and F16C; using the torch path")
-        return None
-    return QUANT_CPU_MODULE.load()
+    return native_kernels(cpu_flags()).quant
 
 
-@functools.cache
 def quant_vnni_kernels():
-    """`quant_vnni_kernels.cpp` + `quant_vnni_gemm.cpp` (int8 / int4 products with int8 activations, for few rows
-    and for many) as one module, or None (it needs AVX512-VNNI: Intel since Cascade Lake, AMD since Zen 4)."""
-    return QUANT_VNNI_MODULE.load() if QUANT_VNNI_MODULE.fits_this_cpu() else None
+    return native_kernels(cpu_flags()).quant_vnni
 
 
-@functools.cache
 def quant_amx_kernels():
-    """`quant_amx_kernels.cpp` (int8 / int4 products for tens of rows on AMX) as a module, or None (it needs AMX:
-    Intel since Sapphire Rapids, and Linux's leave to use it)."""
-    if not QUANT_AMX_MODULE.fits_this_cpu():
-        return None
-    module = QUANT_AMX_MODULE.load()
-    return module if module is not None and module.amx_usable() else None
+    return native_kernels(cpu_flags()).quant_amx

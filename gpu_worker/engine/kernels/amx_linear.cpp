@@ -1,15 +1,13 @@
 // y = x @ W.T (+ bias) on AMX tiles for a decode step's rows, reading the weight oneDNN packed for itself
 // (`OneDnnPackedLinearKernel`), so that no second copy of it is kept. Checked against F.linear in
-// tests/engine/test_amx_linear.py.
+// tests/gpu_worker/engine/test_amx_linear.py.
 //
-// Why: at 32-192 rows oneDNN's AMX matmul ran tokenfleet-large's projections at 1.0-2.3 TFLOP/s on two cores of an
-// AMX Xeon VM whose tiles peak at 3.4 TFLOP/s a core. This loop computes 32 x 32 outputs at a time (two row tiles by
-// two column tiles, the eight tiles all in use) with the inputs cut into 256-deep chunks: a chunk's 32 weight
-// columns (16 KiB) stay in L1 while every row tile of x passes over them, the partial sums parked between chunks.
-// A decode step's four projections at 112 rows: 1.24x oneDNN with every layer's weights in turn, 1.15x with one
-// layer's in cache; 1.2-1.4x at 32 rows, 1.05-1.13x at 160-192, 0.92-0.96x at 256, where oneDNN serves
-// (`AMX_LINEAR_ROWS`). Prefetching the next block's weight into L2 helped only with the weights in cache
-// (bench/RESULTS.md).
+// Why: at a decode step's row counts oneDNN's AMX matmul runs the projections far below the tiles' peak. This loop
+// computes 32 x 32 outputs at a time (two row tiles by two column tiles, the eight tiles all in use) with the inputs
+// cut into 256-deep chunks: a chunk's 32 weight columns (16 KiB) stay in L1 while every row tile of x passes over
+// them, the partial sums parked between chunks. It beats oneDNN up to `AMX_LINEAR_ROWS` rows, where oneDNN takes
+// over (`python -m bench.lab.linear_rates`, `tokenfleet bench engine`; bench/RESULTS.md). No prefetch of the next
+// block's weight: it helped only with the weights in cache.
 //
 // Layout: oneDNN's AB16b32a2b on these CPUs, [N/32][K/32][16 pairs][32 columns][2]: the weight's 32-column block
 // over 32 inputs is one KiB-pair, its first 16 columns a B tile at a row stride of 128 bytes, its last 16 at +64.

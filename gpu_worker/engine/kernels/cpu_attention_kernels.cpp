@@ -1,5 +1,5 @@
 // Paged KV writes and decode attention on CPU, for a bf16 cache and an int8 one (a scale per token and head),
-// checked against their torch references in tests/engine/test_cpu_kernels.py and test_kv_cache_int8.py.
+// checked against their torch references in tests/gpu_worker/engine/test_cpu_kernels.py and test_kv_cache_int8.py.
 #include <cmath>
 #include <type_traits>
 #include <vector>
@@ -26,9 +26,8 @@ using decode_rows::kPrefetchAhead;
 // Scores on AMX (built where the CPU has it): a task's G query heads as B tiles 4.., one per 32 dims,
 // b[h][kp][2g + j] = q[g][32h + 2kp + j] (heads past G zero), loaded once per task; sixteen keys a tile A straight
 // from the cache (16 rows at its row stride), two such groups at a time (tiles 2 and 3 into accumulators 0 and 1):
-// C[key][head] summed over the dims. Reloading the query for every group, and waiting on one group's products
-// before loading the next, cost 8 % of the kernel's time with the context in cache (0.88 -> 0.81 ms a layer, 100
-// sequences of 32-700 tokens, on a Sapphire Rapids VM).
+// C[key][head] summed over the dims. Not reloading the query for every group, nor waiting on one group's products
+// before loading the next, saves kernel time with the context in cache (`python -m bench.lab.decode_parts`).
 struct QueryTiles {
   std::vector<uint16_t> b;
   int64_t D = 0, G = 0;
@@ -102,8 +101,9 @@ struct OnlineSoftmax {
     std::fill(sum, sum + G, 0.0f);
   }
 
-  void take(int64_t n, float* acc) {
-    const __mmask16 m0 = static_cast<__mmask16>(n >= 16 ? 0xffff : (1u << n) - 1);
+  // `skip` (< 16): the chunk's leading keys the row does not see (before its sliding window), left out.
+  void take(int64_t n, float* acc, int64_t skip = 0) {
+    const __mmask16 m0 = static_cast<__mmask16>((n >= 16 ? 0xffff : (1u << n) - 1) & ~((1u << skip) - 1));
     const __mmask16 m1 = static_cast<__mmask16>(n >= 32 ? 0xffff : n > 16 ? (1u << (n - 16)) - 1 : 0);
     for (int64_t g = 0; g < G; g++) {
       const __m512 s0 = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), m0, scores + g * 32);
@@ -128,20 +128,19 @@ struct OnlineSoftmax {
 
 // One task (a sequence's KV head and its G query heads) with the scores on tiles, 32 tokens at a time: a chunk's keys
 // scored, its probabilities taken (OnlineSoftmax), its values summed, then the next chunk's. The keys and the values
-// stream together so, where scoring every key before reading any value had streamed one then the other: 112
-// sequences of 160-460 tokens on an AMX Xeon VM, alternating in one process, 2.20-2.34 -> 2.05-2.22 ms a layer from
-// DRAM (1.06-1.08x), the same in cache; the mixed workload 1.036x (0.98-1.07, six runs each).
+// stream together so, where scoring every key before reading any value had streamed one then the other: faster from
+// DRAM, the same in cache (`python -m bench.lab.decode_parts`). token_rows start at a multiple of 16 tokens, so that
+// each tile's sixteen keys lie in one block; with a sliding window the first `skip` of them are before it, masked.
 void attend_on_tiles(const QueryTiles& query_tiles, const Bf16Rows& rows, const std::vector<int64_t>& token_rows,
-                     float scale, std::vector<float>& acc, uint16_t* out) {
+                     int64_t skip, float scale, std::vector<float>& acc, uint16_t* out) {
   const int64_t L = static_cast<int64_t>(token_rows.size()), G = query_tiles.G, D = query_tiles.D;
   const int64_t row_bytes = D * Bf16Rows::kBytes;
   const auto* k_bytes = reinterpret_cast<const char*>(rows.k);
   const auto* v_bytes = reinterpret_cast<const char*>(rows.v);
   // One line of each 4 KiB page of keys and of values, kPageAhead tokens ahead of the tiles, into L2: the L2
   // streamer, which does not cross pages, starts on each page then, without holding the core's few fill buffers as
-  // prefetching every line into L2 does (that slowed the kernel on a Sapphire Rapids VM: 112 sequences of 160-460
-  // tokens, 2.27 -> 2.15 ms a layer from DRAM). In the two-pass kernel: 2.26-2.39 -> 2.09-2.20 ms a layer from
-  // DRAM, two lines a page no better; 32, 96 or 128 tokens ahead no better in either.
+  // prefetching every line into L2 does (which slowed the kernel). Faster from DRAM here and in the two-pass kernel;
+  // two lines a page no better, nor 32, 96 or 128 tokens ahead (`python -m bench.lab.decode_parts`).
   const int64_t tokens_per_page = std::max<int64_t>(1, kPageBytes / row_bytes);
   const auto touch_pages = [&](int64_t from, int64_t to) {
     for (int64_t t = from; t < std::min(L, to); t += tokens_per_page) {
@@ -153,10 +152,9 @@ void attend_on_tiles(const QueryTiles& query_tiles, const Bf16Rows& rows, const 
   OnlineSoftmax online(G, D);
   touch_pages(0, kPageAhead);
   // A chunk's products are issued to the tile unit before the previous chunk's values are summed, so the tiles (and
-  // their key loads) work while the core sums: the same bits, 1.05x a layer from DRAM (1.04-1.13) and 1.02-1.06x in
-  // cache, alternating in one process (the mixed workload 1.000x, 0.97-1.01, six runs each). Into L1 before each
-  // issue, the keys the tiles load next (a tile load that misses stalls); 8 or 32 tokens ahead, or the chunk's values
-  // before its keys are scored, no better.
+  // their key loads) work while the core sums: the same bits, a layer faster from DRAM and in cache
+  // (`python -m bench.lab.decode_parts`). Into L1 before each issue, the keys the tiles load next (a tile load that
+  // misses stalls); 8 or 32 tokens ahead, or the chunk's values before its keys are scored, no better.
   const auto issue = [&](int64_t t0) {
     for (int64_t t = t0 + kPrefetchAhead; t < std::min(L, t0 + 32 + kPrefetchAhead); t++)
       prefetch(k_bytes + token_rows[t] * row_bytes, row_bytes);
@@ -168,7 +166,7 @@ void attend_on_tiles(const QueryTiles& query_tiles, const Bf16Rows& rows, const 
   for (int64_t t0 = 0; t0 < L; t0 += 32) {
     const int64_t n = std::min<int64_t>(32, L - t0);
     query_tiles.collect32(scale, n, online.scores, 32);
-    online.take(n, acc.data());
+    online.take(n, acc.data(), t0 == 0 ? skip : 0);
     if (t0 + 32 < L) issue(t0 + 32);
     rows.accumulate_values(online.pairs, 32, t0, t0 + n, L, G, token_rows.data(), acc.data());
   }
@@ -190,11 +188,13 @@ bool tiles_serve(int64_t G, int64_t D, int64_t block_size) {
 // reads that head's keys and values block by block through the block table, once for all query heads of its group,
 // with an exact (two-pass) softmax in fp32, or on AMX tiles in one pass with an online softmax (attend_on_tiles).
 // The torch path first gathers every context into a padded copy, then attends over the copy. Rows over [blocks, KVH,
-// block_size].
+// block_size]. With a sliding window a task reads from its first visible key on: its cost is the window's, not the
+// context's, and the freed blocks before it are never read.
 template <typename Rows>
 torch::Tensor paged_decode(const torch::Tensor& q, const Rows& rows, int64_t KVH, int64_t block_size,
-                           const torch::Tensor& block_tables, const torch::Tensor& context_lens, double scale) {
-  const paged_kv::DecodeBatch batch(q, KVH, block_size, block_tables, context_lens);
+                           const torch::Tensor& block_tables, const torch::Tensor& context_lens, double scale,
+                           int64_t window) {
+  const paged_kv::DecodeBatch batch(q, KVH, block_size, block_tables, context_lens, window);
   const int64_t G = batch.G, D = batch.D, row_bytes = D * Rows::kBytes;
 #ifdef TOKENFLEET_AMX
   const bool tiles = std::is_same_v<Rows, Bf16Rows> && tiles_serve(G, D, block_size);
@@ -211,30 +211,35 @@ torch::Tensor paged_decode(const torch::Tensor& q, const Rows& rows, int64_t KVH
 #endif
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < batch.tasks(); task++) {
-      const int64_t L = batch.context(task);
+      const int64_t first = batch.first_key(task);
       acc.resize(G * D);
       const uint16_t* qb = batch.queries(q, task);
       if constexpr (std::is_same_v<Rows, Int8Rows>)  // fp32 products with the dequantized keys
         for (int64_t i = 0; i < G * D; i++) qf[i] = bf16_to_float(qb[i]);
-      batch.list_task_rows(task, token_rows);
-      const auto row = [&](int64_t t) { return token_rows[t]; };
       const auto* k_bytes = reinterpret_cast<const char*>(rows.k);
       const auto* v_bytes = reinterpret_cast<const char*>(rows.v);
 #ifdef TOKENFLEET_AMX
       if constexpr (std::is_same_v<Rows, Bf16Rows>) {
         if (tiles) {
+          // From the multiple of 16 at or before the first key: the same block (block_size % 16 == 0).
+          const int64_t aligned = first & ~int64_t{15};
+          batch.list_task_rows(task, aligned, token_rows);
           query_tiles.load(qb, G, D);
-          attend_on_tiles(query_tiles, rows, token_rows, static_cast<float>(scale), acc, batch.outputs(task));
+          attend_on_tiles(query_tiles, rows, token_rows, first - aligned, static_cast<float>(scale), acc,
+                          batch.outputs(task));
           continue;
         }
       }
 #endif
-      scores.resize(G * L);  // the two-pass softmax's, over the whole context
+      batch.list_task_rows(task, first, token_rows);  // the keys the row sees, token_rows[t] the t-th of them
+      const int64_t L = static_cast<int64_t>(token_rows.size());
+      const auto row = [&](int64_t t) { return token_rows[t]; };
+      scores.resize(G * L);  // the two-pass softmax's, over all the keys the row sees
       // Into L2 while the keys are scored: each scored token's value row, for the value pass after the softmax, and
       // the key row kL2Ahead on (the first kL2Ahead at once). The value pass then hits L2 and the key stream stays
-      // ahead of the products: the kernel had read the context at 16 GB/s on a Zen 4 where reading the same rows
-      // alone ran at 24, with these at 24 (2.56 -> 1.90 ms a layer, 110 sequences of 50-760 tokens). 128 tokens
-      // ahead rather than 64: 1.37-1.51 -> 1.27-1.30 ms a layer from DRAM on a Zen 5 (112 sequences of 160-460).
+      // ahead of the products: the kernel reads the context as fast as reading the same rows alone does, where it
+      // had read it well below; 128 tokens ahead rather than 64 faster still from DRAM
+      // (`python -m bench.lab.decode_parts`).
       for (int64_t t = 0; t < std::min(L, kL2Ahead); t++) prefetch<_MM_HINT_T1>(k_bytes + row(t) * row_bytes, row_bytes);
       // Scores sixteen tokens at a time, their dot products summed together (sum16): one reduction per token
       // and head took most of the kernel's time at short contexts.
@@ -296,22 +301,22 @@ void dequantize_row(const int8_t* q, uint16_t scale, int64_t D, uint16_t* out) {
 
 torch::Tensor paged_decode_attention_bf16(const torch::Tensor& q, const torch::Tensor& k_cache,
                                           const torch::Tensor& v_cache, const torch::Tensor& block_tables,
-                                          const torch::Tensor& context_lens, double scale) {
+                                          const torch::Tensor& context_lens, double scale, int64_t window) {
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous caches");
   const Bf16Rows rows{static_cast<const uint16_t*>(k_cache.data_ptr()),
                       static_cast<const uint16_t*>(v_cache.data_ptr()), q.size(2)};
-  return paged_decode(q, rows, k_cache.size(1), k_cache.size(2), block_tables, context_lens, scale);
+  return paged_decode(q, rows, k_cache.size(1), k_cache.size(2), block_tables, context_lens, scale, window);
 }
 
 // kv_data: int8 [2, blocks, KVH, block_size, D] (keys, values); kv_scale: bf16 [2, blocks, KVH, block_size].
 torch::Tensor paged_decode_attention_int8(const torch::Tensor& q, const torch::Tensor& kv_data,
                                           const torch::Tensor& kv_scale, const torch::Tensor& block_tables,
-                                          const torch::Tensor& context_lens, double scale) {
+                                          const torch::Tensor& context_lens, double scale, int64_t window) {
   paged_kv::check_int8_cache(kv_data, kv_scale);
   const auto* data = kv_data.data_ptr<int8_t>();
   const auto* scales = static_cast<const uint16_t*>(kv_scale.data_ptr());
   const Int8Rows rows{data, data + kv_data[0].numel(), scales, scales + kv_scale[0].numel(), q.size(2)};
-  return paged_decode(q, rows, kv_data.size(2), kv_data.size(3), block_tables, context_lens, scale);
+  return paged_decode(q, rows, kv_data.size(2), kv_data.size(3), block_tables, context_lens, scale, window);
 }
 
 void write_kv_int8(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& kv_data, torch::Tensor& kv_scale,

@@ -1,8 +1,9 @@
 // The native bf16 kernels for CPUs without AVX-512 (cpu_kernels needs AVX512-BF16): the element-wise ops of
 // elementwise.h on 8-lane AVX2 + FMA vectors, and a decode step's rotary, KV write and attention straight from the
 // paged cache in one call. With no bf16 products on these CPUs the attention widens each key and value to fp32 as
-// it reads it and computes in fp32, as the float32 reference does (`WidenedDecodeAttention`); the torch path spent
-// a batch-1 token's ~3 ms in gathering the context, upcasting it and ~60 small ops per layer.
+// it reads it and computes in fp32, as the float32 reference does (`WidenedDecodeAttention`), where the torch path
+// spends most of a batch-1 token gathering the context, upcasting it and in dozens of small ops per layer
+// (`python -m bench.lab.avx2_path`).
 #include <torch/extension.h>
 
 #include <vector>
@@ -107,11 +108,13 @@ void attend_values(const float* p, int64_t L, const Rows& cache, const int64_t* 
 }
 
 // Decode attention straight from the paged cache (paged_kv::DecodeBatch says its tasks): scores eight keys at a
-// time, an exact (two-pass) fp32 softmax, then the value sums.
+// time, an exact (two-pass) fp32 softmax, then the value sums. With a sliding window (> 0) a task reads only the
+// keys its row sees, from the first on: the window's cost, not the context's.
 template <class Rows>
 torch::Tensor paged_decode(const torch::Tensor& q, const Rows& cache, int64_t KVH, int64_t block_size,
-                           const torch::Tensor& block_tables, const torch::Tensor& context_lens, double scale) {
-  const paged_kv::DecodeBatch batch(q, KVH, block_size, block_tables, context_lens);
+                           const torch::Tensor& block_tables, const torch::Tensor& context_lens, double scale,
+                           int64_t window) {
+  const paged_kv::DecodeBatch batch(q, KVH, block_size, block_tables, context_lens, window);
   const int64_t G = batch.G, D = batch.D;
 #pragma omp parallel
   {
@@ -119,8 +122,8 @@ torch::Tensor paged_decode(const torch::Tensor& q, const Rows& cache, int64_t KV
     std::vector<int64_t> token_rows;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < batch.tasks(); task++) {
-      const int64_t L = batch.context(task);
-      batch.list_task_rows(task, token_rows);
+      batch.list_task_rows(task, batch.first_key(task), token_rows);  // the keys the row sees
+      const int64_t L = static_cast<int64_t>(token_rows.size());
       const uint16_t* qb = batch.queries(q, task);
       for (int64_t i = 0; i < G * D; i++) qf[i] = elementwise::bf16_value(qb[i]);
       scores.resize(G * L);
@@ -143,11 +146,11 @@ torch::Tensor paged_decode(const torch::Tensor& q, const Rows& cache, int64_t KV
 
 torch::Tensor paged_decode_attention_bf16(const torch::Tensor& q, const torch::Tensor& k_cache,
                                           const torch::Tensor& v_cache, const torch::Tensor& block_tables,
-                                          const torch::Tensor& context_lens, double scale) {
+                                          const torch::Tensor& context_lens, double scale, int64_t window) {
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous caches");
   const Bf16Rows cache{static_cast<const uint16_t*>(k_cache.data_ptr()),
                        static_cast<const uint16_t*>(v_cache.data_ptr()), q.size(2)};
-  return paged_decode(q, cache, k_cache.size(1), k_cache.size(2), block_tables, context_lens, scale);
+  return paged_decode(q, cache, k_cache.size(1), k_cache.size(2), block_tables, context_lens, scale, window);
 }
 
 // The int8 cache's planes as rows (paged_kv::check_int8_cache says their layout).
@@ -160,9 +163,9 @@ Int8Rows int8_rows(const torch::Tensor& kv_data, const torch::Tensor& kv_scale) 
 
 torch::Tensor paged_decode_attention_int8(const torch::Tensor& q, const torch::Tensor& kv_data,
                                           const torch::Tensor& kv_scale, const torch::Tensor& block_tables,
-                                          const torch::Tensor& context_lens, double scale) {
+                                          const torch::Tensor& context_lens, double scale, int64_t window) {
   return paged_decode(q, int8_rows(kv_data, kv_scale), kv_data.size(2), kv_data.size(3), block_tables, context_lens,
-                      scale);
+                      scale, window);
 }
 
 // One row x [D] bf16 as int8 with its bf16 scale, exactly as the reference quantize_per_row: scale =

@@ -1,5 +1,5 @@
 // CPU kernels for bf16 serving (AVX512-BF16): GEMVs, batch-invariant mode's product and, from elementwise.h, the
-// element-wise ops; each checked against its torch reference in tests/engine/test_cpu_kernels.py.
+// element-wise ops; each checked against its torch reference in tests/gpu_worker/engine/test_cpu_kernels.py.
 #include <omp.h>
 
 #include <vector>
@@ -11,10 +11,10 @@
 #include "amx_tiles.h"
 #endif
 
-// y[1, N] = x[1, K] @ w[N, K]^T with fp32 accumulation. Batch-1 decode is one such product per weight;
-// oneDNN's bf16 path reaches about 60% of the read bandwidth on it. Rows are read front to back, a whole row at a
-// time, in a few long sequential streams per thread (for_rows_in_streams): interleaving eight adjacent rows with
-// software prefetch had stayed near 60% of the bandwidth. K % 32 == 0.
+// y[1, N] = x[1, K] @ w[N, K]^T with fp32 accumulation. Batch-1 decode is one such product per weight, bound by
+// reading the weight, and oneDNN's bf16 path reads it well below the bandwidth. Rows are read front to back, a whole
+// row at a time, in a few long sequential streams per thread (for_rows_in_streams): interleaving eight adjacent rows
+// with software prefetch had read no faster than oneDNN (`python -m bench.lab.gemv_plans`). K % 32 == 0.
 static inline uint16_t row_dot_bf16(const uint16_t* x, const uint16_t* w, int64_t K) {
   __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();  // two chains hide the dpbf16 latency
   int64_t k = 0;
@@ -28,8 +28,8 @@ static inline uint16_t row_dot_bf16(const uint16_t* x, const uint16_t* w, int64_
 }
 
 // The same for M <= kGemvRows rows of x (a decode step whose guesses are scored with it): each weight row is read
-// once for all of them. Streaming SmolLM2's matrices on a Zen 5 this ran 1.13-1.23x oneDNN's packed matmul up to 5
-// rows, 0.69x at 8 (bound by the dot products there).
+// once for all of them. It beats oneDNN's packed matmul up to kGemvRows rows; past them it is bound by the dot
+// products (`linear.GEMV_ROWS`, `python -m bench.lab.linear_rates`).
 constexpr int64_t kGemvRows = 5;
 
 template <int M>
@@ -45,10 +45,8 @@ static inline void rows_dot_bf16(const uint16_t* x, const uint16_t* w, int64_t K
 
 // Each thread takes one contiguous range of the N weight rows and reads it as `streams` sequential streams, a row
 // from each in turn, asking for each stream's row `prefetch_rows` ahead (0: none) as it starts on a row. The
-// caller's plan (linear.py's GemvPlan) is two streams with the rows two ahead asked for: the 49 GEMVs of
-// tokenfleet-large's batch-1 decode (200 MB) read 87-94 % of the bandwidth that way at 1-5 rows of x on a Zen 5 VM
-// and 73-94 % on an Emerald Rapids-class Xeon VM, against 38-81 % and 50-78 % with four unaided streams (batch-1
-// decode +15-24 % on the Zen 5). The plan changes which rows a thread reads when, never a row's sum.
+// caller's plan (linear.py's GemvPlan) is chosen by the CPU's family, where its batch-1 decode reads the nearest the
+// bandwidth (`python -m bench.lab.gemv_plans`). The plan changes which rows a thread reads when, never a row's sum.
 template <typename F>
 static void for_rows_in_streams(int64_t N, int64_t row_bytes, const uint16_t* w, int64_t streams,
                                 int64_t prefetch_rows, F&& row) {

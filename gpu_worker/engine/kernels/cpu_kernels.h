@@ -65,12 +65,13 @@ static inline __m256i to_bf16x16(__m512 v) {  // round to nearest even, as to_bf
   return _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16));
 }
 
+// `window`: each decode row's (each prefill row's) sliding window in tokens, itself included; 0 for none.
 torch::Tensor paged_decode_attention_bf16(const torch::Tensor& q, const torch::Tensor& k_cache,
                                           const torch::Tensor& v_cache, const torch::Tensor& block_tables,
-                                          const torch::Tensor& context_lens, double scale);
+                                          const torch::Tensor& context_lens, double scale, int64_t window);
 torch::Tensor paged_decode_attention_int8(const torch::Tensor& q, const torch::Tensor& kv_data,
                                           const torch::Tensor& kv_scale, const torch::Tensor& block_tables,
-                                          const torch::Tensor& context_lens, double scale);
+                                          const torch::Tensor& context_lens, double scale, int64_t window);
 void write_kv_int8(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& kv_data, torch::Tensor& kv_scale,
                    const torch::Tensor& slot_blocks, const torch::Tensor& slot_offsets);
 torch::Tensor gather_int8_bf16(const torch::Tensor& kv_data, const torch::Tensor& kv_scale, int64_t which,
@@ -79,12 +80,12 @@ torch::Tensor gather_int8_bf16(const torch::Tensor& kv_data, const torch::Tensor
 void prefill_attention_dpbf16(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                               const torch::Tensor& query_starts, const torch::Tensor& query_lens,
                               const torch::Tensor& context_lens, const torch::Tensor& block_tables, double scale,
-                              torch::Tensor& out);
+                              int64_t window, torch::Tensor& out);
 #else
 torch::Tensor amx_linear_bf16(const torch::Tensor& x, const torch::Tensor& packed, int64_t N,
                               const c10::optional<torch::Tensor>& bias);
 void prefill_attention_bf16(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                             const torch::Tensor& query_starts, const torch::Tensor& query_lens,
                             const torch::Tensor& context_lens, const torch::Tensor& block_tables, double scale,
-                            torch::Tensor& out);
+                            int64_t window, torch::Tensor& out);
 #endif

@@ -27,8 +27,8 @@ struct Bf16Rows {
   int64_t D;
 
   // out[16 g] = the G query heads' (q: [G][D]) products with key row r, the row loaded once for all of them:
-  // loaded once per head, in a loop over a runtime D, the score pass had read each key row G times (12/4 heads of
-  // 64, 112 sequences of 160-460 tokens on a Zen 5: 0.92 -> 0.76 ms a layer in cache, 1.27 -> 1.17 from DRAM).
+  // loaded once per head, in a loop over a runtime D, the score pass had read each key row G times, slower in cache
+  // and from DRAM (`python -m bench.lab.decode_parts`).
   void dots(const uint16_t* q, const float*, int64_t r, int64_t G, __m512* out) const {
     const uint16_t* key = k + r * D;
     switch (D) {
@@ -62,8 +62,7 @@ struct Bf16Rows {
   // as torch's CPU flash attention rounds them for its product with V: half the instructions of converting and
   // multiplying each value in fp32. Heads go up to four at a time, their count a template argument, so that the
   // accumulators stay in registers: indexed by a runtime head count they lived on the stack, a load and a store
-  // around every dpbf16 (100 sequences of 32-700 tokens, context in cache: 1.05 -> 0.88 ms a layer on a Sapphire
-  // Rapids VM).
+  // around every dpbf16 (`python -m bench.lab.decode_parts`).
   void attend_values(const float* p, int64_t L, int64_t G, const int64_t* token_rows, float* acc,
                      std::vector<uint16_t>& pairs) const {
     const int64_t L2 = (L + 1) & ~int64_t{1};  // an odd count's last token pairs with a zero probability
@@ -170,8 +169,8 @@ struct Int8Rows {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   }
   // The key row converted once for all G heads, in registers for the head dims models have; the products and
-  // their order as before. Converted once per head, it had made the kernel compute-bound: 112 sequences of 160-460
-  // tokens on an AMX Xeon VM, 2.28 -> 2.00 ms a layer from DRAM, 1.96 -> 1.64 in cache, the output unchanged.
+  // their order as before. Converted once per head, it had made the kernel compute-bound, from DRAM and in cache
+  // (`python -m bench.lab.decode_parts`), the output unchanged.
   void dots(const uint16_t*, const float* q, int64_t r, int64_t G, __m512* out) const {
     switch (D) {
       case 64: dots_of<4>(q, k + r * D, G, out); break;

@@ -1,7 +1,8 @@
 // The bf16 element-wise kernels (RMSNorm, its residual add, SiLU·mul, rotary, argmax), written once over a vector
 // type from vec.h and built per instruction set: into cpu_kernels (AVX-512) and cpu_avx2_kernels (AVX2, for CPUs
-// without AVX-512, where torch's bf16 element-wise ops took ~40 % of a batch-1 token on a Zen 3). Each rounds as its
-// torch reference in ops.py does and is checked against it in tests/engine/test_cpu_kernels.py. All are
+// without AVX-512, where torch's bf16 element-wise ops take a large share of a batch-1 token:
+// `python -m bench.lab.avx2_path`). Each rounds as its
+// torch reference in ops.py does and is checked against it in tests/gpu_worker/engine/test_cpu_kernels.py. All are
 // memory-bound: the torch path moves the same bytes several times (upcasts, one pass per op).
 #pragma once
 #include <torch/extension.h>
@@ -116,8 +117,8 @@ inline float bf16_value(uint16_t h) {
 }
 
 // The first index of a bf16 row's maximum, as torch.argmax. One pass, each lane keeping its first maximum and where
-// it was: a second, scalar pass to find the maximum's first index took 1.5 ms a decode step of 112 rows (a Sapphire
-// Rapids VM). A row with a NaN (torch's argmax picks the first) takes the scalar search.
+// it was: a second, scalar pass to find the maximum's first index was a visible share of a large decode step. A row
+// with a NaN (torch's argmax picks the first) takes the scalar search.
 template <class V>
 int64_t argmax_row(const uint16_t* row, int64_t width) {
   auto best = V::set1(-INFINITY);

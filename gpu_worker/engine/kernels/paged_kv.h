@@ -13,38 +13,45 @@
 namespace paged_kv {
 
 // Token t's cache row for KV head `head` of a sequence whose block table is `table` [.., block_size rows each],
-// for t < L, listed once: a division per token and use took a third of the decode kernel's time.
-inline void list_rows(const int64_t* table, int64_t head, int64_t KVH, int64_t block_size, int64_t L,
+// for first <= t < L, as rows[t - first], listed once: a division per token and use took a third of the decode
+// kernel's time. The table's entries before the block of `first` are not read (a sliding window's freed blocks).
+inline void list_rows(const int64_t* table, int64_t head, int64_t KVH, int64_t block_size, int64_t first, int64_t L,
                       std::vector<int64_t>& rows) {
-  rows.resize(L);
-  for (int64_t t0 = 0; t0 < L; t0 += block_size) {
-    const int64_t first = (table[t0 / block_size] * KVH + head) * block_size;
-    for (int64_t t = t0; t < std::min(L, t0 + block_size); t++) rows[t] = first + t - t0;
+  rows.resize(std::max<int64_t>(0, L - first));
+  for (int64_t block = first / block_size; block * block_size < L; block++) {
+    const int64_t base = (table[block] * KVH + head) * block_size - block * block_size;  // row of token t: base + t
+    for (int64_t t = std::max(first, block * block_size); t < std::min(L, (block + 1) * block_size); t++)
+      rows[t - first] = base + t;
   }
 }
 
 // Decode attention's batch: one query token per sequence, H query heads sharing KVH key/value heads, a task per
 // (sequence, KV head) that reads that head's context once for its G query heads. q [B, H, D] bf16 with contiguous
 // heads, its rows strided (a view of the fused projection's rows: no copy of the queries), block_tables
-// [B, max_blocks], context_lens [B]; `out` is the result [B, H, D], contiguous.
+// [B, max_blocks], context_lens [B]; `out` is the result [B, H, D], contiguous. With a sliding `window` (> 0; 0:
+// none) a row of context L sees its last `window` tokens only, [max(0, L - window), L); the table's entries before
+// that first key's block may be freed (-1) and are never read.
 struct DecodeBatch {
   torch::Tensor tables, lens, out;
-  int64_t B, H, D, KVH, G, block_size, max_blocks, q_row;
+  int64_t B, H, D, KVH, G, block_size, max_blocks, q_row, window;
 
   DecodeBatch(const torch::Tensor& q, int64_t kv_heads, int64_t block_size_, const torch::Tensor& block_tables,
-              const torch::Tensor& context_lens)
+              const torch::Tensor& context_lens, int64_t window_)
       : tables(block_tables.to(torch::kInt64).contiguous()), lens(context_lens.to(torch::kInt64).contiguous()),
         B(q.size(0)), H(q.size(1)), D(q.size(2)), KVH(kv_heads), G(q.size(1) / kv_heads), block_size(block_size_),
-        max_blocks(tables.size(1)), q_row(q.stride(0)) {
+        max_blocks(tables.size(1)), q_row(q.stride(0)), window(window_) {
     TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == D && q.scalar_type() == at::kBFloat16,
                 "q must be bf16 with contiguous heads");
     TORCH_CHECK(D % 32 == 0 && H % KVH == 0, "head_dim % 32 == 0 and whole query groups");
+    TORCH_CHECK(window >= 0, "window: a positive number of tokens, or 0 for none");
     out = torch::empty({B, H, D}, q.options());
   }
   int64_t tasks() const { return B * KVH; }
   int64_t sequence(int64_t task) const { return task / KVH; }
   int64_t head(int64_t task) const { return task % KVH; }
   int64_t context(int64_t task) const { return lens.data_ptr<int64_t>()[sequence(task)]; }
+  // The first position the task's row sees.
+  int64_t first_key(int64_t task) const { return window > 0 ? std::max<int64_t>(0, context(task) - window) : 0; }
   // The task's G query heads [G, D] in q, and where their outputs go in `out`.
   const uint16_t* queries(const torch::Tensor& q, int64_t task) const {
     return static_cast<const uint16_t*>(q.data_ptr()) + sequence(task) * q_row + head(task) * G * D;
@@ -52,9 +59,11 @@ struct DecodeBatch {
   uint16_t* outputs(int64_t task) const {
     return static_cast<uint16_t*>(out.data_ptr()) + (sequence(task) * H + head(task) * G) * D;
   }
-  void list_task_rows(int64_t task, std::vector<int64_t>& rows) const {
-    list_rows(tables.data_ptr<int64_t>() + sequence(task) * max_blocks, head(task), KVH, block_size, context(task),
-              rows);
+  // The cache rows of the task's tokens from position `first` (first_key, or a position before it in its block) to
+  // the end of its context.
+  void list_task_rows(int64_t task, int64_t first, std::vector<int64_t>& rows) const {
+    list_rows(tables.data_ptr<int64_t>() + sequence(task) * max_blocks, head(task), KVH, block_size, first,
+              context(task), rows);
   }
 };
 
@@ -72,7 +81,8 @@ void for_each_slot(const torch::Tensor& k, const torch::Tensor& v, int64_t KVH_c
   const auto* kp = static_cast<const uint16_t*>(k.data_ptr());
   const auto* vp = static_cast<const uint16_t*>(v.data_ptr());
   // In parallel for a batch: each row's lines are cold (the cache's rows were last touched a step ago), and one
-  // thread's serial writes, ~2 % of a mixed run on an AMX Xeon VM, left the other waiting.
+  // thread's serial writes, a measurable share of the mixed workload (`tokenfleet bench engine`), left the other
+  // waiting.
 #pragma omp parallel for schedule(static) if (T * KVH >= 64)
   for (int64_t t = 0; t < T; t++)
     for (int64_t h = 0; h < KVH; h++)
@@ -80,7 +90,7 @@ void for_each_slot(const torch::Tensor& k, const torch::Tensor& v, int64_t KVH_c
 }
 
 // cache[slot_blocks[t], :, slot_offsets[t]] = rows[t] for k and v of a bf16 cache: what the reference's two
-// index_put calls do, in one call without the advanced-indexing overhead (it was ~5% of a batch-1 decode step).
+// index_put calls do, in one call without the advanced-indexing overhead (a share of a batch-1 decode step).
 inline void write_rows(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_cache, torch::Tensor& v_cache,
                        const torch::Tensor& slot_blocks, const torch::Tensor& slot_offsets) {
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "cache [blocks, KVH, bs, D] contiguous");
@@ -111,7 +121,7 @@ RotatedQkv rotate(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Ten
 
 using DecodeAttention = torch::Tensor (*)(const torch::Tensor& q, const torch::Tensor& k_cache,
                                           const torch::Tensor& v_cache, const torch::Tensor& block_tables,
-                                          const torch::Tensor& context_lens, double scale);
+                                          const torch::Tensor& context_lens, double scale, int64_t window);
 
 // A decode-only step's attention for one layer in one call: rotary (on V's vectors), the KV write and `attend`,
 // which as four calls from Python (with the split of qkv and the cache's views) spent more time in the interpreter
@@ -120,11 +130,12 @@ template <class V, DecodeAttention attend>
 torch::Tensor decode_step_bf16(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
                                const torch::Tensor& kv_cache, const torch::Tensor& slot_blocks,
                                const torch::Tensor& slot_offsets, const torch::Tensor& block_tables,
-                               const torch::Tensor& context_lens, int64_t H, int64_t KVH, double scale) {
+                               const torch::Tensor& context_lens, int64_t H, int64_t KVH, double scale,
+                               int64_t window) {
   auto [q, k, v] = rotate<V>(qkv, cos, sin, H, KVH);
   auto k_cache = kv_cache.select(0, 0), v_cache = kv_cache.select(0, 1);
   write_rows(k, v, k_cache, v_cache, slot_blocks, slot_offsets);
-  return attend(q, k_cache, v_cache, block_tables, context_lens, scale).view({q.size(0), -1});
+  return attend(q, k_cache, v_cache, block_tables, context_lens, scale, window).view({q.size(0), -1});
 }
 
 // An int8 cache's planes: kv_data int8 [2, blocks, KVH, block_size, D] (keys, values), kv_scale bf16 [2, blocks, KVH,
@@ -158,7 +169,8 @@ void write_int8_rows(const torch::Tensor& k, const torch::Tensor& v, torch::Tens
 // The int8 cache's keys (which = 0) or values (1) of `length` tokens through each row's block table, dequantized to
 // bf16 in one pass: [B, KVH, length, D], what the reference's gather computes (q as bf16 times the row's bf16
 // scale, rounded). Prefill over a cached context attends over this copy; the reference's gather, dequantize and
-// multiply took four passes in torch's bf16 ops.
+// multiply took four passes in torch's bf16 ops. A freed entry (-1: a block wholly before a sliding window) is not
+// read: its tokens come out as zeros, where the reference gathers block 0 in its place (masked, either way).
 template <DequantizeRow dequantize>
 torch::Tensor gather_int8_rows(const torch::Tensor& kv_data, const torch::Tensor& kv_scale, int64_t which,
                                const torch::Tensor& block_tables, int64_t length) {
@@ -173,13 +185,18 @@ torch::Tensor gather_int8_rows(const torch::Tensor& kv_data, const torch::Tensor
   const auto* scales = static_cast<const uint16_t*>(kv_scale.data_ptr()) + which * kv_scale[0].numel();
   const int64_t* tp = tables.data_ptr<int64_t>();
   auto* op = static_cast<uint16_t*>(out.data_ptr());
-#pragma omp parallel if (B * KVH * length * D >= elementwise::kMinParallelElements)
-  {
-    std::vector<int64_t> rows;
-#pragma omp for schedule(static)
-    for (int64_t b = 0; b < B * KVH; b++) {
-      list_rows(tp + (b / KVH) * max_blocks, b % KVH, KVH, bs, length, rows);
-      for (int64_t t = 0; t < length; t++) dequantize(data + rows[t] * D, scales[rows[t]], D, op + (b * length + t) * D);
+#pragma omp parallel for schedule(static) if (B * KVH * length * D >= elementwise::kMinParallelElements)
+  for (int64_t b = 0; b < B * KVH; b++) {
+    const int64_t* table = tp + (b / KVH) * max_blocks;
+    for (int64_t t0 = 0; t0 < length; t0 += bs) {
+      const int64_t n = std::min(bs, length - t0);
+      uint16_t* dst = op + (b * length + t0) * D;
+      if (table[t0 / bs] < 0) {
+        std::memset(dst, 0, n * D * sizeof(uint16_t));
+        continue;
+      }
+      const int64_t first = (table[t0 / bs] * KVH + b % KVH) * bs;
+      for (int64_t i = 0; i < n; i++) dequantize(data + (first + i) * D, scales[first + i], D, dst + i * D);
     }
   }
   return out;
@@ -195,11 +212,11 @@ torch::Tensor decode_step_int8(torch::Tensor& qkv, const torch::Tensor& cos, con
                                const torch::Tensor& kv_data, const torch::Tensor& kv_scale,
                                const torch::Tensor& slot_blocks, const torch::Tensor& slot_offsets,
                                const torch::Tensor& block_tables, const torch::Tensor& context_lens, int64_t H,
-                               int64_t KVH, double scale) {
+                               int64_t KVH, double scale, int64_t window) {
   auto [q, k, v] = rotate<V>(qkv, cos, sin, H, KVH);
   auto data = kv_data, scales = kv_scale;
   write(k, v, data, scales, slot_blocks, slot_offsets);
-  return attend(q, kv_data, kv_scale, block_tables, context_lens, scale).view({q.size(0), -1});
+  return attend(q, kv_data, kv_scale, block_tables, context_lens, scale, window).view({q.size(0), -1});
 }
 
 }  // namespace paged_kv

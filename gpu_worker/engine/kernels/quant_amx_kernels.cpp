@@ -1,5 +1,5 @@
 // Products with int8 and int4 weights for a decode batch's tens of rows, on AMX (Sapphire Rapids and later),
-// checked against the dequantized weight's matmul in tests/engine/test_quant_amx_kernels.py.
+// checked against the dequantized weight's matmul in tests/gpu_worker/engine/test_quant_amx_kernels.py.
 //
 // Why: between the few rows the VNNI GEMVs serve (their arithmetic grows with every row) and the hundreds of a
 // prefill chunk (where dequantizing the whole weight into a bf16 buffer for oneDNN costs little against the

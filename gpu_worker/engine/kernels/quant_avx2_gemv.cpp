@@ -2,12 +2,12 @@
 // cores), part of the quant_cpu_kernels module. x is quantized to int8 per run of 32 inputs, each run with its own
 // scale (max |x| / 127), as llama.cpp's q4_0 dot product and our VNNI GEMVs take it.
 //
-// Why: the fp32 int4 GEMV of quant_cpu_kernels.cpp unpacks, widens and converts every nibble and ran
-// compute-bound at 2-3 GB/s of weights on a Zen 1 whose int8 GEMV streamed ~8 GB/s. vpmaddubsw multiplies 32
-// unsigned bytes (the nibbles, 0 .. 15) by 32 signed ones and adds adjacent pairs into 16 bits (at most
-// 2 * 15 * 127: no saturation); vpmaddwd against ones widens those to eight 32-bit sums. Here 1.2-1.5x the fp32
-// GEMV. (int8 weights stay on the fp32 GEMV: with |q| and q's sign moved onto x, llama.cpp's
-// trick, it ran no faster, both ~8 GB/s of weights.)
+// Why: the fp32 int4 GEMV of quant_cpu_kernels.cpp unpacks, widens and converts every nibble and runs
+// compute-bound, well below the rate the int8 GEMV streams its weights at. vpmaddubsw multiplies 32 unsigned bytes
+// (the nibbles, 0 .. 15) by 32 signed ones and adds adjacent pairs into 16 bits (at most 2 * 15 * 127: no
+// saturation); vpmaddwd against ones widens those to eight 32-bit sums: faster than the fp32 GEMV (`tokenfleet bench
+// quant` on an AVX2 host). (int8 weights stay on the fp32 GEMV: with |q| and q's sign moved onto x, llama.cpp's
+// trick, it ran no faster.)
 //
 // The weight is the canonical int4 form of gpu_worker/engine/quantization/weights.py: packed uint8 [N, K/2]
 // (input 2i in the low nibble of byte i, 2i + 1 in the high one), scale and offset [N, K/G]: w = q * scale +

@@ -1,15 +1,15 @@
 // Products with int8 and int4 weights (AVX2 + FMA), each checked against the dequantized weight's matmul in
-// tests/engine/test_quant_cpu_kernels.py. Two regimes, as a step's row count decides:
+// tests/gpu_worker/engine/test_quant_cpu_kernels.py. Two regimes, as a step's row count decides:
 // - Few rows (M = 1..8, decode): bound by reading the weights. The int8 GEMV (and the bf16 one for CPUs without
 //   native bf16) streams the weight once for all rows, each OpenMP thread its own contiguous range of rows front
 //   to back (a single sequential stream per thread reached the bandwidth of a plain read loop where interleaved
 //   rows did not); int4's, with int8 activations, is in quant_avx2_gemv.cpp. torch's weight-only ops
-//   (aten._weight_int8pack_mm, aten._weight_int4pack_mm_for_cpu) reached only ~8 GB/s at M = 1 on a 2-core
-//   AMD EPYC (Zen 3), slower per step than bf16 F.linear reading twice the bytes.
+//   (aten._weight_int8pack_mm, aten._weight_int4pack_mm_for_cpu) read the weight so slowly at M = 1 that a step
+//   took longer than bf16 F.linear reading twice the bytes.
 // - Many rows (prefill chunks, large batches): bound by arithmetic. The weight is dequantized tile by tile into a
 //   buffer that stays in cache (bf16 where the CPU multiplies bf16 natively, float32 elsewhere) and multiplied
-//   by oneDNN's matmul, so the dequantization is paid once for all rows (the weight-only ops redo it per row:
-//   5-10x slower than bf16 at 32-256 rows).
+//   by oneDNN's matmul, so the dequantization is paid once for all rows (the weight-only ops redo it per row, and
+//   run several times slower than bf16). `tokenfleet bench quant` measures both regimes.
 //
 // Weights are the canonical forms of gpu_worker/engine/quantization/weights.py, [N, K] row-major:
 //   int8: q int8 [N, K], scale [N, K/G]: w = q * scale over each group of G inputs (G = K: one per channel).
@@ -115,7 +115,7 @@ void int8_rows(const float* x, const Q* q, S scale, Y* y, int64_t N, int64_t K, 
 }
 
 // x [M, K] as fp32: x's own data when it is fp32 and contiguous, else a copy in `buffer`. (Converting here
-// rather than with x.to(kFloat) saves a torch op, ~2 us, on calls that take 20 us at small N.)
+// rather than with x.to(kFloat) saves a torch op, a noticeable share of a call at small N.)
 const float* x_as_fp32(const torch::Tensor& x, std::vector<float>& buffer) {
   if (x.scalar_type() == at::kFloat && x.is_contiguous()) return x.data_ptr<float>();
   const auto xc = x.contiguous();
@@ -130,7 +130,7 @@ const float* x_as_fp32(const torch::Tensor& x, std::vector<float>& buffer) {
 }
 
 // Plain loops for CPUs without AVX512-BF16 (quant_common.h has the fast ones); the compiler vectorized them
-// poorly (~4 G weights/s on 2 cores, slower than the matmul they feed). Chosen once at start-up.
+// poorly (slower than the matmul they feed). Chosen once at start-up.
 void int8_run_plain(const int8_t* q, float scale, uint16_t* d, int64_t n) {
   for (int64_t k = 0; k < n; k++) d[k] = to_bf16_finite(static_cast<float>(q[k]) * scale);
 }
@@ -185,13 +185,13 @@ void int4_dequant_rows(const uint8_t* packed, const S* scale, const S* offset, T
 
 // y = x @ W.T for many rows of x (prefill chunks, large decode batches), W dequantized a tile of rows at a time
 // into a buffer and multiplied by oneDNN's matmul: the dequantization is paid once per call for all rows, where
-// the weight-only ops redo it per row (they ran 5-10x slower than bf16 at 32-256 rows). The tiles are bf16 where
-// the CPU multiplies bf16 natively (AMX / AVX512-BF16) and float32 elsewhere: on a plain AVX2 CPU (a Zen 1)
-// oneDNN's bf16 matmul ran at 5.5 GFLOP/s against 26-30 in float32. Tiles of up to kTileWeights hold a small
-// model's whole matrix, so most calls are one dequantization and one x @ W.T straight into y (larger models'
-// tiles write into y's columns in place); at 1024 rows this runs as fast as bf16's prepacked matmul, where the
-// former ~1 MiB tiles' W @ x.T and the transpose of y it needed cost twice the matmul itself. The buffer is the
-// calling thread's, kept between calls. `dequant(buffer, n0, n1)` writes rows [n0, n1) of W as T.
+// the weight-only ops redo it per row. The tiles are bf16 where the CPU multiplies bf16 natively (AMX /
+// AVX512-BF16) and float32 elsewhere: on a plain AVX2 CPU oneDNN's bf16 matmul runs several times slower than its
+// float32 one. Tiles of up to kTileWeights hold a small model's whole matrix, so most calls are one dequantization
+// and one x @ W.T straight into y (larger models' tiles write into y's columns in place); at many rows this runs
+// as fast as bf16's prepacked matmul, where smaller tiles' W @ x.T and the transpose of y it needed cost more than
+// the matmul itself (`tokenfleet bench quant`). The buffer is the calling thread's, kept between calls.
+// `dequant(buffer, n0, n1)` writes rows [n0, n1) of W as T.
 constexpr int64_t kTileWeights = int64_t{4} << 20;
 template <typename T, typename F>
 torch::Tensor tiled_dequant_mm(const torch::Tensor& x, int64_t N, int64_t K, F&& dequant) {
@@ -285,8 +285,7 @@ torch::Tensor int4_dequant_mm(const torch::Tensor& x, const torch::Tensor& packe
 }
 
 // y [M, N] = x [M, K] @ w.T for a bf16 weight [N, K] on CPUs without native bf16 products, where torch's bf16
-// linear ran at 4-7 GB/s of weights at one row and 5.5 GFLOP/s at many (a Zen 1): the GEMV for M <= 8, float32
-// tiles beyond.
+// linear is slow at any row count (`python -m bench.lab.avx2_path`): the GEMV for M <= 8, float32 tiles beyond.
 torch::Tensor bf16_mm(const torch::Tensor& x, const torch::Tensor& w) {
   TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kBFloat16 && w.dim() == 2 && w.is_contiguous() &&
                   w.size(1) % 32 == 0, "w must be a contiguous bfloat16 [N, K] CPU tensor, K % 32 == 0");

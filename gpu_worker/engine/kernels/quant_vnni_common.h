@@ -28,7 +28,7 @@ struct QuantizedX {
   std::vector<float> scale;         // [M, chunks, 16]: lanes 0-7 the chunk's first run's scale, 8-15 the second's
   // [M, K / G]: the sums of quantized x over each weight group, for the offsets (int4's; int8's -128 * scale, for
   // its flipped sign bit). Quantized, not exact: the product is then the weight times quantized x; exact sums
-  // left the error of sum(q * scale * x), a term larger than the result when offsets cancel it (~2% error).
+  // left the error of sum(q * scale * x), a term larger than the result when offsets cancel it.
   std::vector<float> group_sum;
 };
 
@@ -58,7 +58,7 @@ QuantizedX quantize_x(const X* xp, int64_t M, int64_t K, int64_t G) {
   return out;
 }
 
-// x quantized, read as it is (bf16 or fp32): a conversion to fp32 first cost a torch op, ~2 us a call.
+// x quantized, read as it is (bf16 or fp32): a conversion to fp32 first cost a torch op a call.
 QuantizedX quantize_x(const torch::Tensor& x, int64_t G) {
   const auto xc = x.contiguous();
   return xc.scalar_type() == at::kBFloat16

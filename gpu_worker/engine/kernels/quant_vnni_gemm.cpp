@@ -1,11 +1,11 @@
 // Many-row products with int8 and int4 weights and int8 activations (x quantized per run of 32, as the GEMVs of
 // quant_vnni_kernels.cpp take it) for CPUs with AVX512-VNNI and no AMX (AMD Zen 4 / Zen 5, Intel before Sapphire
-// Rapids); checked against the dequantized weight's matmul in tests/engine/test_quant_vnni_kernels.py.
+// Rapids); checked against the dequantized weight's matmul in tests/gpu_worker/engine/test_quant_vnni_kernels.py.
 //
-// Why: without AMX, the dequantized bf16 tiles into oneDNN ran 0.7-0.85x of the engine's prepacked bf16 matmul
-// on a Zen 5 from 16 rows up (prefill chunks, decode batches), since a matmul there is bound by arithmetic and
-// both do the same bf16 arithmetic plus the dequantization. vpdpbusd does 64 multiply-adds an instruction where
-// vdpbf16ps does 32, so the int8 x int8 product can be the faster one, if the run scales cost little.
+// Why: without AMX, the dequantized bf16 tiles into oneDNN run slower than the engine's prepacked bf16 matmul at
+// many rows (prefill chunks, decode batches), since a matmul there is bound by arithmetic and both do the same bf16
+// arithmetic plus the dequantization. vpdpbusd does 64 multiply-adds an instruction where vdpbf16ps does 32, so the
+// int8 x int8 product can be the faster one, if the run scales cost little (`tokenfleet bench quant`).
 //
 // Layout: the GEMVs keep a lane per 4 inputs and sum lanes at the end, which costs a conversion and an FMA per
 // 64 inputs, per weight row and per x row. Here a lane is a weight row: 16 weight rows are transposed once per
@@ -16,7 +16,7 @@
 //
 // int4's nibbles are unsigned as they are; their offsets multiply x's group sums. int8 weights are flipped to
 // unsigned (q + 128) and served as int4's form, w = (q + 128) * scale - 128 * scale: a sum started at -128 * the
-// sum of x's run instead (the GEMVs' way) ran ~30% slower at 256 rows than the offsets' one FMA per group.
+// sum of x's run instead (the GEMVs' way) costs more at many rows than the offsets' one FMA per group.
 #include <torch/extension.h>
 #include <immintrin.h>
 #include <algorithm>

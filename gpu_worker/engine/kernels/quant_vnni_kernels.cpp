@@ -1,18 +1,18 @@
 // Few-row products with int8 and int4 weights whose activations are quantized to int8 as they arrive, each run
 // of 32 inputs with its own scale (max |x| / 127), as llama.cpp's q8_0 / q4_0 dot products do; checked against
-// the dequantized weight's matmul in tests/engine/test_quant_vnni_kernels.py.
+// the dequantized weight's matmul in tests/gpu_worker/engine/test_quant_vnni_kernels.py.
 //
 // Why: the fp32 GEMVs of quant_cpu_kernels.cpp spend three vector instructions per 16 weights (widen, convert,
 // FMA) and ran compute-bound on weights that sit in a server's L3. AVX512-VNNI's vpdpbusd multiplies 64 weight
 // bytes by 64 activation bytes and sums each four into one of 16 int32 lanes in one instruction: per 64 weights
 // a chunk then costs a load, vpdpbusd, a conversion and an FMA (lanes 0-7 hold the chunk's first 32 inputs,
 // 8-15 the next 32, so the FMA applies both runs' activation scales at once). Runs of 32 keep the quantization
-// error to llama.cpp's: per-token activation scales (w8a8) cost SmolLM2 +2% perplexity.
+// error to llama.cpp's, where per-token activation scales (w8a8) cost perplexity (`tokenfleet bench quant`).
 //
 // vpdpbusd multiplies unsigned by signed bytes. int4's q (0 .. 15) is unsigned as it is. int8's q is signed:
 // the kernel flips its top bit (q + 128, unsigned) and serves it in int4's form, with the offset -128 * scale
 // applied to x's group sums once per row, as the GEMM does: one load per 64 weights fewer than starting each
-// chunk's sum at -128 * sum(x's four bytes per lane) (no faster streaming from DRAM on a Zen 4, measured).
+// chunk's sum at -128 * sum(x's four bytes per lane), which streamed from DRAM no faster.
 //
 // Weights are the canonical forms of gpu_worker/engine/quantization/weights.py, [N, K] row-major:
 //   int8: q int8 [N, K], scale [N, K/G]: w = q * scale over each group of G inputs (G = K: one per channel).
@@ -160,13 +160,13 @@ inline void row_block(const QuantizedX& x, const Chunk& chunk, const S* scale, c
 }
 
 // Weight rows a block at a time: 4 for M <= 2, 2 for M <= 4, else 1 (R * M sums, plus R chunks, stay within
-// the 32 vector registers); int8 at M = 1 one row, read front to back as one stream: 1.15x the four rows'
-// throughput from DRAM on a Zen 5 (int4, whose unpacking makes it bound by arithmetic, ran 0.8x so).
+// the 32 vector registers); int8 at M = 1 one row, read front to back as one stream, which streams faster from DRAM
+// than four rows (int4, whose unpacking makes it bound by arithmetic, keeps four).
 template <int M, typename Chunk>
 constexpr int kRowBlock = Chunk::kFlipped && M == 1 ? 1 : M <= 2 ? 4 : M <= 4 ? 2 : 1;
 
 // Weight rows [n0, n1), sixteen at a time: their sums reduced together and stored as one vector (a reduction
-// and a store per row took ~40% of a 576-input row's time).
+// and a store per row took a large share of a short row's time).
 template <int M, typename S, typename Y, typename Chunk>
 void row_group(const QuantizedX& x, const Chunk& chunk, const S* scale, const S* offset, Y* y, int64_t N, int64_t G,
                int64_t m0, int64_t n0, int64_t n1) {

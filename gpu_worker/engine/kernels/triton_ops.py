@@ -3,7 +3,7 @@ fused), SiLU·mul, and rotary embedding fused with the KV-cache write.
 
 Math is in fp32 and rounds where the references (`ops.*_reference`) round to the model dtype: the normalized
 row before the weight multiplies it, the residual sum before it is normalized. Tested against them in
-tests/engine/test_triton_ops.py (CUDA, or Triton's interpreter on CPU in fp32 / fp16). Imported only on CUDA.
+tests/gpu_worker/engine/test_triton_ops.py (CUDA, or Triton's interpreter on CPU in fp32 / fp16). Imported only on CUDA.
 """
 
 from __future__ import annotations

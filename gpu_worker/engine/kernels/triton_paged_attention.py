@@ -16,8 +16,12 @@ value.
   query head), causal within the chunk and full over the context cached before it. The chunk's own keys are
   already in the cache (written before attention), so cached and new keys are read alike.
 
+With a sliding window (`window` tokens: a query at position p sees keys p - window + 1 .. p) both read from the
+first key a row (a decode row, a prefill tile's first row) sees: a windowed decode costs the window, not the
+context, and the block-table entries before it, which the KV manager may have freed (-1), are never read.
+
 The references are `TorchPagedAttention.decode` / `_prefill` and `ScaledPagedAttention`'s, which gather the
-context first. Tested in tests/engine/test_triton_paged_attention.py (CUDA, or Triton's interpreter on CPU in
+context first. Tested in tests/gpu_worker/engine/test_triton_paged_attention.py (CUDA, or Triton's interpreter on CPU in
 fp32 / fp16). Imported only where a CUDA attention is built.
 """
 
@@ -58,39 +62,52 @@ def _dot(a, b, FP32: tl.constexpr):
 @triton.jit
 def _attend_keys(q, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_ptr, cols, valid, visible, kv_head, rd, best,
                  total, acc, scale, KVH, BLOCK_SIZE: tl.constexpr, D: tl.constexpr, QUANTIZED: tl.constexpr,
-                 FP32: tl.constexpr):
+                 FP32: tl.constexpr, UNSEEN_ROWS: tl.constexpr):
     """Keys `cols` of one sequence (`valid` ones: inside its context), read through its block table, into the
-    running softmax of the queries q [rows, D_PAD]; `visible` [rows, BLOCK_N]: which query sees which key.
-    Returns the new (max, mass, unnormalized output) per query row."""
+    running softmax of the queries q [rows, D_PAD]; `visible` [rows, BLOCK_N]: which query sees which key;
+    UNSEEN_ROWS: whether a row may have seen no key yet. Returns the new (max, mass, unnormalized output) per query
+    row."""
     block_ids = tl.load(table_ptr + cols // BLOCK_SIZE, mask=valid, other=0)
     k = _load_kv(k_ptr, k_scale_ptr, block_ids, cols, kv_head, rd, valid, KVH, BLOCK_SIZE, D, QUANTIZED, q.dtype)
     v = _load_kv(v_ptr, v_scale_ptr, block_ids, cols, kv_head, rd, valid, KVH, BLOCK_SIZE, D, QUANTIZED, q.dtype)
     s = tl.where(visible, _dot(q, tl.trans(k), FP32) * scale, float("-inf"))  # [rows, BLOCK_N]
     new_best = tl.maximum(best, tl.max(s, axis=1))
-    p = tl.exp(s - new_best[:, None])
-    kept = tl.exp(best - new_best)
+    shift = new_best
+    if UNSEEN_ROWS:
+        # A row that has seen no key yet (its window starts past these keys) keeps a max of -inf: exponents taken
+        # against 0 instead leave it nothing (exp(-inf)) where -inf - -inf would be NaN.
+        shift = tl.where(new_best == float("-inf"), 0.0, new_best)
+    p = tl.exp(s - shift[:, None])
+    kept = tl.exp(best - shift)
     return new_best, total * kept + tl.sum(p, axis=1), acc * kept[:, None] + _dot(p.to(v.dtype), v, FP32)
 
 
 @triton.jit
 def _paged_decode(q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, tables_ptr, lens_ptr, out_ptr, part_ptr,
-                  stats_ptr, scale, H, KVH, stride_q, stride_table, tokens_per_split, num_splits, SPLIT: tl.constexpr,
-                  GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-                  BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, QUANTIZED: tl.constexpr, FP32: tl.constexpr):
+                  stats_ptr, scale, H, KVH, stride_q, stride_table, tokens_per_split, num_splits, window,
+                  SPLIT: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr,
+                  D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, QUANTIZED: tl.constexpr,
+                  FP32: tl.constexpr, WINDOWED: tl.constexpr):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     length = tl.load(lens_ptr + b)
-    first = split * tokens_per_split
-    if first >= length:  # past this row's context (tables are as wide as the longest): `_combine_splits` skips it
+    split_start = split * tokens_per_split
+    if split_start >= length:  # past the row's context (tables are as wide as the longest): `_combine_splits` skips it
         return
+    first = split_start
+    if WINDOWED:
+        seen = tl.maximum(length - window, 0)  # the row's first key
+        if split_start + tokens_per_split <= seen:  # wholly before the window: `_combine_splits` skips it too
+            return
+        first = tl.maximum(split_start, seen)  # nothing before the window's first key is read
     rg = tl.arange(0, GROUP_PAD)
     rd = tl.arange(0, D_PAD)
     rn = tl.arange(0, BLOCK_N)
     heads = kv_head * GROUP + rg
     head_mask = (rg < GROUP)[:, None] & (rd[None, :] < D)
     q = tl.load(q_ptr + b * stride_q + heads[:, None] * D + rd[None, :], mask=head_mask, other=0.0)
-    last = tl.minimum(first + tokens_per_split, length)
+    last = tl.minimum(split_start + tokens_per_split, length)
     best = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
     total = tl.zeros((GROUP_PAD,), tl.float32)
     acc = tl.zeros((GROUP_PAD, D_PAD), tl.float32)
@@ -99,12 +116,15 @@ def _paged_decode(q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, tables_ptr, len
         valid = cols < last
         best, total, acc = _attend_keys(q, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, tables_ptr + b * stride_table,
                                         cols, valid, valid[None, :], kv_head, rd, best, total, acc, scale, KVH,
-                                        BLOCK_SIZE, D, QUANTIZED, FP32)
+                                        BLOCK_SIZE, D, QUANTIZED, FP32, False)  # a split's keys: all the row's
     rows = b * H + heads
     # A context of one split (the tables' width: SPLIT, known when compiling; else the row's own length) is written
     # here, with no round trip through the partials.
     if SPLIT:
-        if length > tokens_per_split:  # this split's unnormalized sums and its softmax's max and mass
+        spans = length > tokens_per_split  # the row's keys span more than this split
+        if WINDOWED:
+            spans = (length - 1) // tokens_per_split > seen // tokens_per_split
+        if spans:  # this split's unnormalized sums and its softmax's max and mass
             part_rows = rows * num_splits + split
             tl.store(part_ptr + part_rows[:, None] * D + rd[None, :], acc, mask=head_mask)
             tl.store(stats_ptr + part_rows * 2, best, mask=rg < GROUP)
@@ -122,18 +142,25 @@ def _store_output(out_ptr, rows, rd, acc, total, head_mask, D: tl.constexpr):
 
 
 @triton.jit
-def _combine_splits(part_ptr, stats_ptr, out_ptr, lens_ptr, H, tokens_per_split, num_splits,
-                    SPLIT_GROUP: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr):
+def _combine_splits(part_ptr, stats_ptr, out_ptr, lens_ptr, H, tokens_per_split, num_splits, window,
+                    SPLIT_GROUP: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, WINDOWED: tl.constexpr):
     """Merges a (row, query head)'s partial softmaxes, SPLIT_GROUP splits at a time: a fixed group, not one as wide
     as the tables, so that a CUDA graph's step and an eager one sum in the same order (on an H200, merged over 8
-    lanes and over 16, the same splits and zeros beyond them, a row's output differed)."""
+    lanes and over 16, the same splits and zeros beyond them, a row's output differed). With a sliding window, from
+    the split of the row's first visible key (those before it wrote nothing)."""
     row = tl.program_id(0)
-    row_splits = tl.cdiv(tl.load(lens_ptr + row // H), tokens_per_split)
+    length = tl.load(lens_ptr + row // H)
+    row_splits = tl.cdiv(length, tokens_per_split)
+    if WINDOWED:
+        first_split = tl.maximum(length - window, 0) // tokens_per_split
+        row_splits -= first_split
     if row_splits <= 1:  # `_paged_decode` wrote this row's output
         return
     rs = tl.arange(0, SPLIT_GROUP)
     rd = tl.arange(0, D_PAD)
     first = row * num_splits
+    if WINDOWED:
+        first += first_split
     best_all = tl.max(tl.load(stats_ptr + (first + rs) * 2, mask=rs < row_splits, other=float("-inf")), axis=0)
     for group in range(SPLIT_GROUP, row_splits, SPLIT_GROUP):
         best = tl.load(stats_ptr + (first + group + rs) * 2, mask=group + rs < row_splits, other=float("-inf"))
@@ -161,11 +188,13 @@ def _row_strided(q: torch.Tensor) -> torch.Tensor:
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, scale: float, k_scale: torch.Tensor | None = None,
                  v_scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                 split_tokens: int = SPLIT_TOKENS) -> torch.Tensor:
+                 split_tokens: int = SPLIT_TOKENS, window: int | None = None) -> torch.Tensor:
     """q [B, H, D] (its rows may be strided: the fused projection's q columns); caches [blocks, KVH, block_size,
     D] (int8 / fp8 with scales [blocks, KVH, block_size], or dense); block_tables [B, max_blocks]; context_lens
     [B] (each >= 1, at most max_blocks * block_size). Writes `out` (default: a new [B, H, D] in q's dtype) and
-    returns it. Contexts are split every `split_tokens` (a multiple of DECODE_BLOCK_N)."""
+    returns it. Contexts are split every `split_tokens` (a multiple of DECODE_BLOCK_N). `window` (None or 0: full
+    attention): a row of context L sees positions max(0, L - window) .. L - 1 only; table entries for blocks wholly
+    before them may be -1."""
     q = _row_strided(q)
     batch, heads, dim = q.shape
     _, kv_heads, block_size, _ = k_cache.shape
@@ -182,20 +211,20 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     _paged_decode[(batch, kv_heads, num_splits)](
         q, k_cache, v_cache, k_scale if quantized else k_cache, v_scale if quantized else v_cache,
         block_tables, context_lens, out, part, stats, scale, heads, kv_heads, q.stride(0), block_tables.stride(0),
-        split_tokens, num_splits, SPLIT=num_splits > 1, GROUP=group,
+        split_tokens, num_splits, window or 0, SPLIT=num_splits > 1, GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), D=dim, D_PAD=d_pad, BLOCK_SIZE=block_size,
-        BLOCK_N=DECODE_BLOCK_N, QUANTIZED=quantized, FP32=q.dtype == torch.float32)
+        BLOCK_N=DECODE_BLOCK_N, QUANTIZED=quantized, FP32=q.dtype == torch.float32, WINDOWED=bool(window))
     if num_splits > 1:
-        _combine_splits[(batch * heads,)](part, stats, out, context_lens, heads, split_tokens, num_splits,
-                                          SPLIT_GROUP=COMBINE_SPLIT_GROUP, D=dim, D_PAD=d_pad)
+        _combine_splits[(batch * heads,)](part, stats, out, context_lens, heads, split_tokens, num_splits, window or 0,
+                                          SPLIT_GROUP=COMBINE_SPLIT_GROUP, D=dim, D_PAD=d_pad, WINDOWED=bool(window))
     return out
 
 
 @triton.jit
 def _paged_prefill(q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, tables_ptr, starts_ptr, query_lens_ptr,
-                   context_lens_ptr, out_ptr, scale, H, KVH, stride_q, stride_table, GROUP: tl.constexpr,
+                   context_lens_ptr, out_ptr, scale, H, KVH, stride_q, stride_table, window, GROUP: tl.constexpr,
                    D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, QUANTIZED: tl.constexpr, FP32: tl.constexpr):
+                   BLOCK_N: tl.constexpr, QUANTIZED: tl.constexpr, FP32: tl.constexpr, WINDOWED: tl.constexpr):
     chunk = tl.program_id(0)
     tile = tl.program_id(1)
     head = tl.program_id(2)
@@ -213,16 +242,24 @@ def _paged_prefill(q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, tables_ptr, st
     positions = context_len - query_len + rm  # each query row's position: it sees keys 0..position
     # Keys up to the tile's last row's position (rows past the chunk's end see nothing more).
     end = context_len - query_len + tl.minimum(tile * BLOCK_M + BLOCK_M, query_len)
+    seen = 0  # the first key the tile's first row sees
+    if WINDOWED:
+        seen = tl.maximum(context_len - query_len + tile * BLOCK_M - window + 1, 0)
+        # Rows past the chunk's end (not stored) take its last row's position, so that they too see a key: none would
+        # leave them 0 / 0.
+        positions = context_len - query_len + tl.minimum(rm, query_len - 1)
     best = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     total = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, D_PAD), tl.float32)
-    for key_start in range(0, end, BLOCK_N):
+    for key_start in range(seen, end, BLOCK_N):
         cols = key_start + rn
         valid = cols < end
         visible = valid[None, :] & (cols[None, :] <= positions[:, None])
+        if WINDOWED:
+            visible = visible & (cols[None, :] > positions[:, None] - window)
         best, total, acc = _attend_keys(q, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr,
                                         tables_ptr + chunk * stride_table, cols, valid, visible, kv_head, rd, best,
-                                        total, acc, scale, KVH, BLOCK_SIZE, D, QUANTIZED, FP32)
+                                        total, acc, scale, KVH, BLOCK_SIZE, D, QUANTIZED, FP32, WINDOWED)
     out = acc / total[:, None]
     tl.store(out_ptr + ((start + rm) * H + head)[:, None] * D + rd[None, :], out.to(out_ptr.dtype.element_ty),
              mask=row_mask)
@@ -231,11 +268,13 @@ def _paged_prefill(q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, tables_ptr, st
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                   query_starts: torch.Tensor, query_lens: torch.Tensor, context_lens: torch.Tensor,
                   max_query_len: int, scale: float, k_scale: torch.Tensor | None = None,
-                  v_scale: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                  v_scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                  window: int | None = None) -> torch.Tensor:
     """Attention for prefill chunks whose keys and values are in the cache already. q [T, H, D]: the step's
     rows (they may be strided), chunk c's from query_starts[c] for query_lens[c]; block_tables [C, max_blocks];
     context_lens [C]: each chunk's tokens, itself included. Writes the chunks' rows of `out` (default: a new
-    [T, H, D]) and returns it."""
+    [T, H, D]) and returns it. `window` (None or 0: full attention): a row at position p sees keys
+    max(0, p - window + 1) .. p only; table entries for blocks wholly before a chunk's first row's may be -1."""
     q = _row_strided(q)
     _, heads, dim = q.shape
     _, kv_heads, block_size, _ = k_cache.shape
@@ -247,7 +286,8 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     _paged_prefill[grid](
         q, k_cache, v_cache, k_scale if quantized else k_cache, v_scale if quantized else v_cache,
         block_tables, query_starts, query_lens, context_lens, out, scale, heads, kv_heads, q.stride(0),
-        block_tables.stride(0),
+        block_tables.stride(0), window or 0,
         GROUP=heads // kv_heads, D=dim, D_PAD=max(16, triton.next_power_of_2(dim)), BLOCK_SIZE=block_size,
-        BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=PREFILL_BLOCK_N, QUANTIZED=quantized, FP32=q.dtype == torch.float32)
+        BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=PREFILL_BLOCK_N, QUANTIZED=quantized, FP32=q.dtype == torch.float32,
+        WINDOWED=bool(window))
     return out

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from ..errors import ModelLoadError
+from services.text.errors import ModelLoadError
+
 from .weights import Int4Weight, Int8Weight, QuantizedWeight, pack_nibbles
 
 # AutoAWQ packs output column 8c + AWQ_ORDER[i] into nibble i of word c; reading undoes it.
@@ -160,7 +161,8 @@ _READERS = {TokenfleetFormat.name: _tokenfleet, GptqFormat.name: _gptq, AwqForma
 
 
 def read_checkpoint_format(model_dir: Path, config: dict) -> CheckpointFormat | None:
-    """The quantization a checkpoint directory declares, or None for a plain one; unsupported ones raise."""
+    """The quantization a checkpoint directory declares, or None for a plain one (MXFP4 experts included: they are
+    dequantized as they are read); unsupported ones raise."""
     raw = config.get("quantization_config")
     legacy = model_dir / "quantize_config.json"
     if raw is None and legacy.is_file():
@@ -168,6 +170,8 @@ def read_checkpoint_format(model_dir: Path, config: dict) -> CheckpointFormat | 
     if raw is None:
         return None
     method = str(raw.get("quant_method", "")).lower()
+    if method == "mxfp4":  # gpt-oss's experts: dequantized as they are read (`stacked_experts`), then plain
+        return None
     if method not in _READERS:
         raise ModelLoadError(f"{model_dir}: quantization method {method!r} is not supported "
                              f"(supported: {', '.join(_READERS)})")

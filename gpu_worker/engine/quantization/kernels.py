@@ -1,10 +1,12 @@
-"""Linear kernels for quantized weights, plugged in behind `Linear`'s kernel interface.
+"""Linear kernels for quantized weights, plugged in behind `Linear`'s kernel interface; `kernel_choice` picks one
+per weight.
 
 `DequantLinearKernel` is the reference: it dequantizes the weight and runs the dense matmul, so a quantized
 model in float32 computes exactly what a dense model holding the dequantized weights computes; float32 always
 takes it (the exactness tests' dtype, as for dense weights). In bfloat16 on CPU our native kernels read 1 or 0.5
 bytes per weight where the bf16 path reads 2 (decode at small batch is bound by those reads); on CUDA, Triton's
-w8a16 / w4a16 GEMMs and FP8's `_scaled_mm`.
+w8a16 / w4a16 GEMMs and FP8's `_scaled_mm`. The row counts each CPU kernel serves are where it measured faster
+than the next (`tokenfleet bench quant`; bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -17,28 +19,21 @@ import torch
 import torch.nn.functional as F
 
 from ..host_memory import move_to_huge_pages_
-from ..kernels import quant_amx_kernels, quant_cpu_kernels, quant_vnni_kernels, triton_available
 from .weights import FP8_MAX, Fp8Weight, Int4Weight, Int8Weight, QuantizedWeight, exact_scales
 
-# Rows up to which the native GEMVs beat dequantized tiles (they stream the weight once for all of them, but
-# their arithmetic grows with the rows where oneDNN's AMX barely notices): the AVX2 ones up to 4; the VNNI
-# ones, measured on a Sapphire Rapids VM (SmolLM2's matrices, bf16 = 1): int8 1.8 at 8 rows
-# and 0.7-1.0 at 16 (tiles 0.8), int4 1.1-1.3 at 8 and 0.6-0.7 at 16 (tiles 0.8). Where the VNNI GEMM follows
-# instead of AMX, up to 4 (a Zen 5, against the prepacked bf16 matmul: at 4 rows GEMV int8 1.5-1.9, GEMM
-# 1.3-1.7; at 8 GEMV 0.6-0.9, GEMM 1.1-1.4).
+# Rows up to which the native GEMVs beat dequantized tiles (they stream the weight once for all of them, but their
+# arithmetic grows with the rows where oneDNN's AMX barely notices): the AVX2 ones up to GEMV_ROWS, the VNNI ones
+# beside AMX up to VNNI_INT8_ROWS / VNNI_INT4_ROWS; where the VNNI GEMM follows instead of AMX, up to GEMV_ROWS.
 GEMV_ROWS = 4
 VNNI_INT8_ROWS = 12
 VNNI_INT4_ROWS = 8
-# Rows up to which AMX over blocks of dequantized weight rows kept in cache beats the tiles into oneDNN (same
-# VM and matrices, bf16 = 1): 1.3 at 8-16 rows, 1.1 at 32, 0.77 at 64 (tiles 0.69), 0.6 at 128 (tiles 0.74).
+# Rows up to which AMX over blocks of dequantized weight rows kept in cache beats the tiles into oneDNN.
 AMX_ROWS = 64
 # The row count oneDNN tunes a prepacked int8 layout for; it serves every row count.
 PACKING_BATCH_HINT = 128
 
 
 class DequantLinearKernel:
-    copies_weight = False
-
     def __init__(self, weight: QuantizedWeight):
         self.weight = weight
 
@@ -49,22 +44,19 @@ class DequantLinearKernel:
 class OneDnnInt8LinearKernel:
     """w8a8: int8 x int8 on oneDNN (AMX-INT8 / AVX512-VNNI), activations quantized per token as they arrive
     (symmetric, max |x| / 127, as vLLM's dynamic W8A8), the weight prepacked once in oneDNN's layout, the only
-    copy kept. Measured on a 2-core Sapphire Rapids: 1.5x bf16 at 256 rows, 1.7x on a 49152 x 576 LM head at
-    one row; but SmolLM2's perplexity rose 2.1% (weight-only int8: 0.1%), so it is its own method, `w8a8`."""
+    copy kept (so never for a weight the embedding table shares). Faster than bf16 for many rows, but it costs
+    more perplexity than weight-only int8 (`tokenfleet bench quant`), so it is its own method, `w8a8`."""
 
-    copies_weight = True
-
-    def __init__(self, weight: Int8Weight, dtype: torch.dtype):
+    def __init__(self, weight: Int8Weight, native):
         n, k = weight.shape
         self.packed = torch.ops.onednn.qlinear_prepack(weight.q.contiguous(), [PACKING_BATCH_HINT, k])
         self.weight_scale = weight.scale.float().contiguous()
         self.zero_points = torch.zeros(n, dtype=torch.int64)
-        self.native = quant_cpu_kernels()
+        self.native = native.quant
 
     @staticmethod
-    def supports(weight: QuantizedWeight, dtype: torch.dtype, device: torch.device) -> bool:
-        return (isinstance(weight, Int8Weight) and weight.int8_activations and device.type == "cpu"
-                and dtype == torch.bfloat16 and quant_cpu_kernels() is not None and onednn_int8_matmul())
+    def takes(weight: QuantizedWeight) -> bool:
+        return isinstance(weight, Int8Weight) and weight.int8_activations
 
     def __call__(self, x: torch.Tensor, _dense: None, bias: torch.Tensor | None) -> torch.Tensor:
         xq, x_scale = self.native.quantize_rows(x)
@@ -77,8 +69,8 @@ class OneDnnInt8LinearKernel:
 @functools.cache
 def onednn_int8_matmul() -> bool:
     """Whether this torch's oneDNN multiplies int8 x int8 exactly here. With VNNI or AMX it does; on plain AVX2
-    its kernels add 128 to the activations and multiply pairs into saturating 16-bit sums (vpmaddubsw): 127 x 127
-    over 32 inputs came out 4 080 instead of 516 128 on a Zen 1, so there w8a8 falls to the weight-only kernels."""
+    its kernels add 128 to the activations and multiply pairs into saturating 16-bit sums (vpmaddubsw), which
+    overflow, so there w8a8 falls to the weight-only kernels."""
     x = torch.full((1, 32), 127, dtype=torch.int8)
     w = torch.full((32, 32), 127, dtype=torch.int8)
     try:
@@ -90,18 +82,18 @@ def onednn_int8_matmul() -> bool:
     return bool((y == 32 * 127 * 127).all())
 
 
-def few_row_gemvs(group_size: int) -> tuple[tuple[Callable, int], tuple[Callable, int]]:
+def few_row_gemvs(group_size: int, native) -> tuple[tuple[Callable, int], tuple[Callable, int]]:
     """The int8 and int4 GEMVs that serve a decode step's few rows for weights in groups of `group_size`, each
-    with the most rows it serves: the int8-activation ones (`kernels/quant_vnni_kernels.cpp`) where the CPU has
-    VNNI and they take the group size; else (`kernels/quant_cpu_kernels.cpp`) the fp32 int8 GEMV and the int4
-    one with int8 activations (`kernels/quant_avx2_gemv.cpp`)."""
-    vnni = quant_vnni_kernels()
+    with the most rows it serves, from `native` (`kernels.NativeKernels`): the int8-activation ones
+    (`kernels/quant_vnni_kernels.cpp`) where the CPU has VNNI and they take the group size; else
+    (`kernels/quant_cpu_kernels.cpp`) the fp32 int8 GEMV and the int4 one with int8 activations
+    (`kernels/quant_avx2_gemv.cpp`)."""
+    vnni = native.quant_vnni
     if vnni is not None and (group_size == 32 or group_size % 64 == 0):
-        if quant_amx_kernels() is None:  # the VNNI GEMM takes over from 5 rows
+        if native.quant_amx is None:  # the VNNI GEMM takes over from 5 rows
             return (vnni.int8_gemv_a8, GEMV_ROWS), (vnni.int4_gemv_a8, GEMV_ROWS)
         return (vnni.int8_gemv_a8, VNNI_INT8_ROWS), (vnni.int4_gemv_a8, VNNI_INT4_ROWS)
-    native = quant_cpu_kernels()
-    return (native.int8_gemv, GEMV_ROWS), (native.int4_gemv_a8, GEMV_ROWS)
+    return (native.quant.int8_gemv, GEMV_ROWS), (native.quant.int4_gemv_a8, GEMV_ROWS)
 
 
 class _NativeCpuKernel:
@@ -109,15 +101,13 @@ class _NativeCpuKernel:
     decode step; then, where the CPU has AMX, `amx` (blocks of dequantized weight rows kept in cache,
     `kernels/quant_amx_kernels.cpp`) for a decode batch's tens of rows and `tiles` (dequantized bf16 tiles into
     oneDNN, `kernels/quant_cpu_kernels.cpp`) for more; where it has VNNI and no AMX, `gemm` (int8 activations,
-    `kernels/quant_vnni_gemm.cpp`) for every larger row count: int8 0.93-1.48x the prepacked bf16 matmul from 8
-    to 128 rows on a Zen 5 (int4 0.75-1.29x), where the tiles ran 0.4-0.98x; else the tiles."""
+    `kernels/quant_vnni_gemm.cpp`) for every larger row count, where it beats the tiles; else the tiles. `native`:
+    the CPU's modules (`kernels.NativeKernels`)."""
 
-    copies_weight = False
-
-    def __init__(self, gemv: tuple[Callable, int]):
-        self.native = quant_cpu_kernels()
+    def __init__(self, gemv: tuple[Callable, int], native):
+        self.native = native.quant
         self._gemv, self.gemv_rows = gemv
-        self.amx_kernels, self.vnni_kernels = quant_amx_kernels(), quant_vnni_kernels()
+        self.amx_kernels, self.vnni_kernels = native.quant_amx, native.quant_vnni
         if self.amx_kernels is not None:
             self.larger, self.larger_rows = self.amx, AMX_ROWS
         elif self.vnni_kernels is not None:
@@ -154,16 +144,15 @@ class _NativeCpuKernel:
 class CpuInt8LinearKernel(_NativeCpuKernel):
     """int8 [N, K] with per-channel or per-group scales."""
 
-    def __init__(self, weight: Int8Weight, dtype: torch.dtype):
+    def __init__(self, weight: Int8Weight, native):
         self.q = weight.q.contiguous()
         move_to_huge_pages_(self.q)
         self.scale = exact_scales(weight.group_scale)
-        super().__init__(few_row_gemvs(weight.shape[1] // self.scale.shape[1])[0])
+        super().__init__(few_row_gemvs(weight.shape[1] // self.scale.shape[1], native)[0], native)
 
     @staticmethod
-    def supports(weight: QuantizedWeight, dtype: torch.dtype, device: torch.device) -> bool:
-        return (isinstance(weight, Int8Weight) and device.type == "cpu" and dtype == torch.bfloat16
-                and quant_cpu_kernels() is not None and (weight.shape[1] // weight.group_scale.shape[1]) % 32 == 0)
+    def takes(weight: QuantizedWeight) -> bool:
+        return isinstance(weight, Int8Weight) and (weight.shape[1] // weight.group_scale.shape[1]) % 32 == 0
 
     def gemv(self, x: torch.Tensor) -> torch.Tensor:
         return self._gemv(x, self.q, self.scale)
@@ -181,17 +170,16 @@ class CpuInt8LinearKernel(_NativeCpuKernel):
 class CpuInt4LinearKernel(_NativeCpuKernel):
     """int4 [N, K] in groups; an act-order weight's inputs are permuted as they arrive."""
 
-    def __init__(self, weight: Int4Weight, dtype: torch.dtype):
+    def __init__(self, weight: Int4Weight, native):
         self.input_perm = weight.input_perm
         self.packed = weight.packed.contiguous()
         move_to_huge_pages_(self.packed)
         self.scale, self.offset = exact_scales(weight.scale, weight.offset)
-        super().__init__(few_row_gemvs(weight.group_size)[1])
+        super().__init__(few_row_gemvs(weight.group_size, native)[1], native)
 
     @staticmethod
-    def supports(weight: QuantizedWeight, dtype: torch.dtype, device: torch.device) -> bool:
-        return (isinstance(weight, Int4Weight) and device.type == "cpu" and dtype == torch.bfloat16
-                and quant_cpu_kernels() is not None and weight.group_size % 32 == 0)
+    def takes(weight: QuantizedWeight) -> bool:
+        return isinstance(weight, Int4Weight) and weight.group_size % 32 == 0
 
     def __call__(self, x: torch.Tensor, _dense: None, bias: torch.Tensor | None) -> torch.Tensor:
         if self.input_perm is not None:
@@ -211,16 +199,10 @@ class CpuInt4LinearKernel(_NativeCpuKernel):
         return self.native.int4_dequant_mm(x, self.packed, self.scale, self.offset)
 
 
-def _on_triton(dtype: torch.dtype, device: torch.device) -> bool:
-    """16-bit serving on CUDA with Triton installed (float32 keeps the reference, as on CPU)."""
-    return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and triton_available()
-
-
 class _TritonLinearKernel:
     """w8a16 / w4a16 on CUDA by `triton_kernels.py`, the weight dequantized in registers (groups of 32 or more):
     `matmul` of x as rows [M, K]; an act-order weight's inputs are permuted as they arrive."""
 
-    copies_weight = False
     input_perm: torch.Tensor | None = None
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor: ...
@@ -233,24 +215,21 @@ class _TritonLinearKernel:
 
 
 class TritonInt8LinearKernel(_TritonLinearKernel):
-    def __init__(self, weight: Int8Weight, dtype: torch.dtype):
+    def __init__(self, weight: Int8Weight):
         from . import triton_kernels
 
         self.kernel = triton_kernels.int8_matmul
         self.q = weight.q.contiguous()
         self.scale = weight.group_scale.float().contiguous()
 
-    @staticmethod
-    def supports(weight: QuantizedWeight, dtype: torch.dtype, device: torch.device) -> bool:
-        return (isinstance(weight, Int8Weight) and _on_triton(dtype, device)
-                and (weight.shape[1] // weight.group_scale.shape[1]) % 32 == 0)
+    takes = staticmethod(CpuInt8LinearKernel.takes)  # groups of 32 inputs or more
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernel(x, self.q, self.scale)
 
 
 class TritonInt4LinearKernel(_TritonLinearKernel):
-    def __init__(self, weight: Int4Weight, dtype: torch.dtype):
+    def __init__(self, weight: Int4Weight):
         from . import triton_kernels
 
         self.kernel = triton_kernels.int4_matmul
@@ -258,9 +237,7 @@ class TritonInt4LinearKernel(_TritonLinearKernel):
         self.packed = weight.packed.contiguous()
         self.scale, self.offset = weight.scale.float().contiguous(), weight.offset.float().contiguous()
 
-    @staticmethod
-    def supports(weight: QuantizedWeight, dtype: torch.dtype, device: torch.device) -> bool:
-        return isinstance(weight, Int4Weight) and _on_triton(dtype, device) and weight.group_size % 32 == 0
+    takes = staticmethod(CpuInt4LinearKernel.takes)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernel(x, self.packed, self.scale, self.offset)
@@ -270,32 +247,17 @@ class CudaFp8LinearKernel:
     """`torch._scaled_mm` on FP8 tensor cores: activations quantized to e4m3 per token as they arrive, weights per
     output channel at load (row-wise scales need compute capability 9.0, H100/H200)."""
 
-    copies_weight = False
-
-    def __init__(self, weight: Fp8Weight, dtype: torch.dtype):
+    def __init__(self, weight: Fp8Weight):
         self.q_t = weight.q.t()  # column-major, as _scaled_mm wants its second operand
         self.scale = weight.scale[None, :].float()
 
     @staticmethod
-    def supports(weight: QuantizedWeight, dtype: torch.dtype, device: torch.device) -> bool:
-        return (isinstance(weight, Fp8Weight) and device.type == "cuda" and dtype == torch.bfloat16
-                and torch.cuda.get_device_capability(device) >= (9, 0)
-                and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0)
+    def takes(weight: QuantizedWeight) -> bool:
+        """An FP8 weight of a shape the tensor cores take, on a GPU with row-wise FP8 matmuls."""
+        return (isinstance(weight, Fp8Weight) and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0
+                and torch.cuda.get_device_capability(weight.q.device) >= (9, 0))
 
     def __call__(self, x: torch.Tensor, _dense: None, bias: torch.Tensor | None) -> torch.Tensor:
         x_scale = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)
         xq = (x / x_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
         return torch._scaled_mm(xq, self.q_t, scale_a=x_scale, scale_b=self.scale, bias=bias, out_dtype=x.dtype)
-
-
-def quantized_linear_kernel(weight: QuantizedWeight, dtype: torch.dtype, device: torch.device,
-                            shares_weight: bool = False):
-    """The fastest kernel this device has for `weight`; the reference where none applies. `shares_weight`: the
-    weight is also the embedding table (a tied LM head), so only kernels that read it as it is may serve: one
-    that re-lays it out would hold a second copy."""
-    for kernel in (OneDnnInt8LinearKernel, CpuInt8LinearKernel, CpuInt4LinearKernel, CudaFp8LinearKernel,
-                   TritonInt8LinearKernel, TritonInt4LinearKernel):
-        if kernel.supports(weight, dtype, device) and not (shares_weight and kernel.copies_weight):
-            return kernel(weight, dtype)
-    return DequantLinearKernel(weight)
-

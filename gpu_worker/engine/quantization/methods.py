@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import ModelLoadError
+from services.text.errors import ModelLoadError
+
 from .formats import KERNEL_GROUP_SIZES, CheckpointFormat
 from .kernels import onednn_int8_matmul
 from .weights import QuantizedWeight, fake_quantize_int4, quantize_fp8, quantize_int4, quantize_int8

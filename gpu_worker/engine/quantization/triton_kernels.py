@@ -4,9 +4,9 @@ Each program computes a BLOCK_M x BLOCK_N tile of y = x @ W.T over blocks of 32 
 our formats have, so a block never straddles two groups). The integers go into `tl.dot` as they are (exact in
 fp16 / bf16) and the group's scale multiplies the block's fp32 product, so int8 computes with the exact weight;
 int4's w = q * scale + offset adds offset * sum(x) per block. The references are `DequantLinearKernel` (the
-dequantized weight's matmul); tests/engine/test_quant_triton.py checks both under `TRITON_INTERPRET=1` in fp32
-and fp16 on CPU (the interpreter is wrong in bf16). Imported only when a CUDA kernel is built: the CPU path never
-needs Triton.
+dequantized weight's matmul); tests/gpu_worker/engine/test_quant_triton.py checks both under
+`TRITON_INTERPRET=1` in fp32 and fp16 on CPU (the interpreter is wrong in bf16). Imported only when a CUDA kernel
+is built: the CPU path never needs Triton.
 """
 
 from __future__ import annotations

@@ -1,0 +1,91 @@
+"""gpt-oss's mixture tensors as the loader takes every mixture's: one tensor per expert and projection, under
+Qwen3-MoE's names and in its layout, which `loader._FUSED` then fuses as it fuses theirs.
+
+transformers' gpt-oss checkpoints stack each layer's experts: `mlp.experts.gate_up_proj` [E, H, 2I] (input-major,
+gate and up in alternating columns), `gate_up_proj_bias` [E, 2I] (alternating too), `down_proj` [E, I, H] and
+`down_proj_bias` [E, H]; the router is `mlp.router` (weight and bias). Each expert becomes `mlp.experts.{e}.gate_proj`,
+`up_proj` and `down_proj` (weight [out, in], and bias), the router `mlp.gate`.
+
+The released checkpoints store the two expert matrices as MXFP4 (`quantization_config` {"quant_method": "mxfp4"}):
+`{proj}_blocks` [E, out, in / 32, 16] uint8, 32 FP4 (e2m1) values per group, two per byte, the low nibble first, and
+`{proj}_scales` [E, out, in / 32] uint8, each group's E8M0 exponent (the group is scaled by 2^(scale - 127)).
+transformers' `integrations/mxfp4.py` reads them so on a CPU. They are dequantized here one expert at a time (a
+layer's whole stack in float32 would take gigabytes), to float32, which holds every value exactly; served dense.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from services.text.errors import ModelLoadError
+
+from .quantization.weights import QuantizedWeight
+
+# e2m1: sign, 2 exponent bits, 1 mantissa bit, by nibble value
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+_STACKED = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+_MXFP4 = ("_blocks", "_scales")
+
+Tensors = Iterator[tuple[str, "torch.Tensor | QuantizedWeight"]]
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """blocks [..., G, 16] uint8 and scales [..., G] uint8 -> float32 [..., G * 32], value j of a group from byte
+    j // 2's low nibble (j even) or high one (j odd)."""
+    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
+        raise ModelLoadError(f"MXFP4 blocks {tuple(blocks.shape)} do not match scales {tuple(scales.shape)}")
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
+    nibbles = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2).int()  # [..., G, 32]
+    return torch.ldexp(lut[nibbles], scales.int()[..., None] - 127).flatten(-2)
+
+
+def unstack_experts(architecture: str, tensors: Tensors) -> Tensors:
+    """The checkpoint's tensors with gpt-oss's stacked experts and router renamed and split per expert (MXFP4 ones
+    dequantized once both their blocks and scales have arrived: a sharded checkpoint may hold them apart); every
+    other tensor as it comes. Other architectures' tensors pass unchanged: transformers stacks their experts
+    otherwise in memory ([E, 2I, H], gate then up) but saves them one by one, so a stacked one has no place."""
+    if architecture != "GptOssForCausalLM":
+        yield from tensors
+        return
+    halves: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in tensors:
+        parts = name.split(".")
+        if len(parts) >= 3 and parts[-3:-1] == ["mlp", "router"]:
+            yield ".".join([*parts[:-2], "gate", parts[-1]]), tensor
+            continue
+        if len(parts) < 3 or parts[-3:-1] != ["mlp", "experts"]:
+            yield name, tensor
+            continue
+        prefix, leaf = ".".join(parts[:-1]), parts[-1]
+        if leaf in _STACKED:
+            yield from _per_expert(prefix, leaf, tensor, transposed=True)
+        elif leaf.endswith(_MXFP4) and leaf[:-7] in _STACKED:
+            pair = halves.setdefault(f"{prefix}.{leaf[:-7]}", {})
+            pair[leaf[-6:]] = tensor
+            if len(pair) == 2:
+                del halves[f"{prefix}.{leaf[:-7]}"]
+                yield from _per_expert(prefix, leaf[:-7], pair, transposed=False)
+        else:
+            yield name, tensor
+    if halves:
+        raise ModelLoadError(f"MXFP4 tensors without their blocks or scales: {', '.join(sorted(halves))}")
+
+
+def _per_expert(prefix: str, leaf: str, stacked: torch.Tensor | dict[str, torch.Tensor],
+                transposed: bool) -> Tensors:
+    """One expert's rows at a time: a dense stack is [E, in, out] (`transposed`), an MXFP4 one [E, out, in]."""
+    count = (stacked["blocks"] if isinstance(stacked, dict) else stacked).shape[0]
+    proj, is_bias = leaf.removesuffix("_bias"), leaf.endswith("_bias")
+    for e in range(count):
+        if isinstance(stacked, dict):
+            rows = dequantize_mxfp4(stacked["blocks"][e], stacked["scales"][e])
+        else:
+            rows = stacked[e] if is_bias else stacked[e].T
+        suffix = "bias" if is_bias else "weight"
+        if proj == "down_proj":
+            yield f"{prefix}.{e}.down_proj.{suffix}", rows
+        else:  # gate and up alternate
+            yield f"{prefix}.{e}.gate_proj.{suffix}", rows[0::2]
+            yield f"{prefix}.{e}.up_proj.{suffix}", rows[1::2]

@@ -1,0 +1,131 @@
+"""GGUF files of the Gemma 2, Gemma 3 and Phi-3 families, written as llama.cpp's converter writes them (Gemma's
+RMSNorm weights + 1, Phi-3's fused projections and LongRoPE tensors, no query_pre_attn_scalar or layer pattern
+for Gemma), serve what HF transformers serves from the same model's directory (float32 greedy), with the
+directory's config and rotary frequencies; Gemma's attention scale and sliding layers are llama.cpp's; a phi3 file
+with half its LongRoPE factors is refused by name."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from gpu_worker.engine import ModelLoadError
+from gpu_worker.engine.checkpoint import open_checkpoint
+from gpu_worker.engine.model_config import ModelConfig
+from gpu_worker.engine.rope import RotaryEmbedding
+from tests.gguf_files import write_gguf
+from tests.gpu_worker.engine import test_gguf
+from tests.gpu_worker.engine.test_gguf import (
+    LONG_PROMPTS,
+    PROMPTS,
+    hf_greedy_loading,
+    hyperparameters_file,
+    ours_greedy,
+)
+
+T = gguf.GGMLQuantizationType
+small_checkpoint = test_gguf.small_checkpoint  # the same module-scoped fixture: a 1 000-token vocabulary, hidden 256
+
+
+def _longrope(rotary_dims: int) -> dict:
+    """conftest's LongRoPE, with one short and one long factor per rotary frequency of these checkpoints."""
+    n = rotary_dims // 2
+    return {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0 + 2.5 * i / (n - 1) for i in range(n)],
+            "long_factor": [1.0 + 15.0 * (i / (n - 1)) ** 2 for i in range(n)]}
+
+
+# conftest's ARCHITECTURES, in shapes a file can say. Gemma: query_pre_attn_scalar = head_dim, which llama.cpp takes
+# for all but the 27B models; Gemma 3 with six layers, the sixth full (llama.cpp's pattern), its full layers'
+# rotary scaled 8x and the sliding layers' base their own. Phi-3: 64 dims per head (hidden 256 / 4 heads), every
+# one rotated (phi3) or 3/4 of them with tied embeddings (phi4-mini).
+FAMILIES = {
+    "gemma2": {"query_pre_attn_scalar": 32},
+    "gemma3": {"query_pre_attn_scalar": 32, "num_hidden_layers": 6, "layer_types": None},
+    "phi3": {"rope_parameters": _longrope(64)},
+    "phi4-mini": {"rope_parameters": _longrope(48)},
+}
+
+
+def varied(model_dir, out):
+    """A copy of `model_dir` with random RMSNorm weights (Gemma's start at 0, Phi-3's at 1: the +1 the converter adds
+    to Gemma's gets values to change) and, for Gemma, an embedding table 1/16 as large: scaled by √hidden = 16 it
+    enters at the other weights' scale, where as it is it outweighs every layer and the tied LM head repeats the last
+    token whatever the layers do."""
+    shutil.copytree(model_dir, out)
+    tensors = load_file(out / "model.safetensors")
+    generator = torch.Generator().manual_seed(0)
+    for name, tensor in tensors.items():
+        if name.endswith("norm.weight"):
+            tensors[name] = tensor + 0.2 * torch.randn(tensor.shape, generator=generator)
+    if "gemma" in out.name:
+        tensors["model.embed_tokens.weight"] /= 16
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+@pytest.mark.parametrize("arch", list(FAMILIES))
+def test_a_float32_gguf_file_greedy_equals_its_hf_directory(small_checkpoint, tmp_path, arch):
+    model_dir = varied(small_checkpoint(arch, **FAMILIES[arch]), tmp_path / arch)
+    path = write_gguf(model_dir, tmp_path / f"{arch}.gguf", T.F32)
+    prompts = [*PROMPTS[:2], LONG_PROMPTS[0]]  # two past Gemma's sliding window of 40; within Phi-3's original context
+    assert ours_greedy(str(path), prompts, 12) == hf_greedy_loading(model_dir, prompts, 12)
+
+
+def _rotary(cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    return dict(RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).named_buffers())
+
+
+@pytest.mark.parametrize("arch", list(FAMILIES))
+def test_a_gguf_files_config_and_rotary_are_its_hf_directorys(small_checkpoint, tmp_path, arch):
+    """LongRoPE's long factors included, which the greedy test's sequences never reach. The end-of-sequence ids
+    come from the tokenizer instead of config.json, and the norm epsilon is stored in float32."""
+    model_dir = small_checkpoint(arch, **FAMILIES[arch])
+    ours = open_checkpoint(write_gguf(model_dir, tmp_path / "model.gguf", T.F32)).config
+    theirs = ModelConfig.from_dir(model_dir)
+    assert _rotary(ours).keys() == _rotary(theirs).keys()
+    for name, buffer in _rotary(ours).items():
+        assert torch.equal(buffer, _rotary(theirs)[name]), name
+
+    def rest(cfg: ModelConfig) -> ModelConfig:
+        return dataclasses.replace(cfg, rope_scaling={}, eos_token_ids=frozenset(),
+                                   rms_norm_eps=float(np.float32(cfg.rms_norm_eps)))
+
+    assert rest(ours) == rest(theirs)
+
+
+@pytest.mark.parametrize(("arch", "layers", "hidden", "heads", "head_dim", "scalar", "full"), [
+    ("gemma2", 26, 2304, 8, 256, 256, set(range(1, 26, 2))),  # Gemma 2 2B
+    ("gemma2", 46, 4608, 32, 128, 144, set(range(1, 46, 2))),  # Gemma 2 27B
+    ("gemma3", 26, 1152, 4, 256, 256, {5, 11, 17, 23}),  # Gemma 3 1B
+    ("gemma3", 62, 5376, 32, 128, 168, set(range(5, 62, 6))),  # Gemma 3 27B
+], ids=["gemma2-2b", "gemma2-27b", "gemma3-1b", "gemma3-27b"])
+def test_gemmas_attention_scale_and_sliding_layers_are_llama_cpps(tmp_path, arch, layers, hidden, heads, head_dim,
+                                                                  scalar, full):
+    """No file has query_pre_attn_scalar: llama.cpp's scale, hidden / heads for the 27B models and head_dim for
+    the rest, is the released configs' query_pre_attn_scalar."""
+    path = hyperparameters_file(tmp_path / "model.gguf", arch, block_count=layers, embedding_length=hidden,
+                                head_count=heads, key_length=head_dim, sliding_window=512)
+    config = open_checkpoint(path).config
+    assert config.query_pre_attn_scalar == scalar and config.full_attention_layers == full
+    assert config.norm_weight_offset and config.sandwich_norms and config.embedding_scale == hidden ** 0.5
+
+
+def test_a_phi3_file_with_half_its_longrope_factors_names_the_other(tmp_path):
+    writer = gguf.GGUFWriter(tmp_path / "phi3.gguf", "phi3")
+    for key, value in {"embedding_length": 8, "head_count": 2, "block_count": 1, "feed_forward_length": 16,
+                       "layer_norm_rms_eps": 1e-5, "context_length": 64, "rope_scaling_orig_ctx_len": 16}.items():
+        getattr(writer, f"add_{key}")(value)
+    writer.add_tensor("rope_factors_long.weight", np.ones(2, dtype=np.float32))
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match="rope_factors_short"):
+        open_checkpoint(tmp_path / "phi3.gguf")
