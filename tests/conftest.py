@@ -22,8 +22,10 @@ pytest_plugins = ["tests.stack"]  # the running stack (`stack`) for the tests of
 # The exactness tests run on CUDA wherever there is a GPU (TOKENFLEET_TEST_DEVICE=cpu keeps them on CPU).
 DEVICE = os.environ.get("TOKENFLEET_TEST_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
 
-# Keep tests on one thread each: the suite must fit 2 cores, and determinism is easier to reason about.
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# Each test process (pytest-xdist runs one a core) on its share of the cores, at most two threads: the suite must fit
+# 2 cores, and determinism is easier to reason about.
+_TEST_PROCESSES = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _TEST_PROCESSES)))
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=128, max_position_embeddings=1024, initializer_range=0.2)
@@ -239,6 +241,11 @@ def _leftovers(run_dir: str) -> list[str]:
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             pass
     return found
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: a test process per core, at most four (each runs its own containers and stacks)."""
+    return max(1, min(4, os.cpu_count() or 1))
 
 
 def pytest_sessionstart(session):

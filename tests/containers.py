@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import os
 import secrets
@@ -25,6 +26,9 @@ REDIS_IMAGE, POSTGRES_IMAGE = "tokenfleet-redis:bookworm", "tokenfleet-postgres:
 # at its own address on the bridge network, not through a published port.
 os.environ.setdefault("TESTCONTAINERS_RYUK_DISABLED", "true")
 os.environ.setdefault("TESTCONTAINERS_CONNECTION_MODE", "bridge_ip")
+# One test process at a time starts the engine and builds the images (pytest-xdist runs several); a fixed path, as
+# each process has a temporary directory of its own.
+DOCKER_SETUP_LOCK = Path("/tmp/tokenfleet-test-docker.lock")
 
 
 def docker_unavailable() -> str | None:
@@ -38,9 +42,15 @@ def docker_unavailable() -> str | None:
 
 @functools.cache
 def _docker() -> tuple[str | None, str | None]:
-    """(why Docker cannot be had here, or how getting it failed), once per run."""
+    """(why Docker cannot be had here, or how getting it failed), once per test process."""
     if os.environ.get("TOKENFLEET_TEST_DOCKER") == "0":
         return "TOKENFLEET_TEST_DOCKER=0", None
+    with DOCKER_SETUP_LOCK.open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _engine_and_images()
+
+
+def _engine_and_images() -> tuple[str | None, str | None]:
     engine = _script("engine.sh", 600)
     if engine.returncode == 77:
         return f"no Docker engine: {engine.stderr.strip()}", None

