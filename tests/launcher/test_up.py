@@ -94,19 +94,13 @@ def test_up_serves_the_trained_default_model_on_embedded_redis_and_stops_everyth
     _stops_cleanly(proc, children, signal.SIGINT)
 
 
-def test_up_stops_everything_on_sigterm(up_process):
-    proc, _, _ = up_process
-    _printed_key(proc)
-    _stops_cleanly(proc, psutil.Process(proc.pid).children(recursive=True), signal.SIGTERM)
-
-
 def _stops_cleanly(proc, children: list[psutil.Process], stop: signal.Signals) -> None:
     proc.send_signal(stop)
     assert proc.wait(60) == 0
     assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
 
 
-def test_up_restarts_a_killed_service_and_keeps_serving(up_process):
+def test_up_restarts_a_killed_service_keeps_serving_and_stops_everything_on_sigterm(up_process):
     proc, port, cache = up_process
     key = _printed_key(proc)
     [router] = [c for c in psutil.Process(proc.pid).children(recursive=True) if c.cmdline()[-1:] == ["router"]]
@@ -130,8 +124,8 @@ def test_up_restarts_a_killed_service_and_keeps_serving(up_process):
     assert created.returncode == 0, created.stderr
     tenant = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=created.stdout.strip(), timeout=120)
     assert tenant.models.list().data
-    proc.send_signal(signal.SIGINT)
-    assert proc.wait(60) == 0
+
+    _stops_cleanly(proc, psutil.Process(proc.pid).children(recursive=True), signal.SIGTERM)  # as a service manager
     assert not (cache / "stack.json").exists()
 
 

@@ -12,7 +12,7 @@
 // Layout: oneDNN's AB16b32a2b on these CPUs, [N/32][K/32][16 pairs][32 columns][2]: the weight's 32-column block
 // over 32 inputs is one KiB-pair, its first 16 columns a B tile at a row stride of 128 bytes, its last 16 at +64.
 // Python checks the packed bytes against that layout once per weight (`linear.amx_tiles`) before using it.
-#include <torch/extension.h>
+#include "torch_api.h"
 #include <immintrin.h>
 
 #include <algorithm>
@@ -56,8 +56,8 @@ void store_pair(const float* bias, at::BFloat16* y, int64_t ldy, int64_t rows, i
 }  // namespace
 
 // x [M, K] bf16 (K % 32 == 0), packed [N/32 * K/32 * 1024] bf16 as above, bias [N] or empty: y [M, N] bf16.
-torch::Tensor amx_linear_bf16(const torch::Tensor& x, const torch::Tensor& packed, int64_t N,
-                              const c10::optional<torch::Tensor>& bias) {
+at::Tensor amx_linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                              const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous() && x.size(1) % 32 == 0,
               "x must be a contiguous bf16 [M, K] with K % 32 == 0");
   TORCH_CHECK(amx_permitted(), "this process may not use AMX tiles (Linux refused arch_prctl)");
@@ -69,7 +69,7 @@ torch::Tensor amx_linear_bf16(const torch::Tensor& x, const torch::Tensor& packe
     bias_f.assign(b.data_ptr<float>(), b.data_ptr<float>() + N);
     bias_f.resize(NB * 32, 0.0f);
   }
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
   const auto* xp = static_cast<const uint16_t*>(x.data_ptr());
   // The last row tile where M is not a multiple of 16, zero-padded, so that no tile reads past x.
   std::vector<uint16_t> tail(M % 16 ? 16 * K : 0, 0);

@@ -68,10 +68,10 @@ inline __mmask16 lanes_in(int64_t j, int64_t a, int64_t n) {
 // last query_lens[c] of its context_lens[c] tokens, whose keys and values are in the cache through block_tables[c];
 // `window` > 0: each row sees its last `window` positions only (block_tables' entries before the first block a
 // chunk's first row sees may be -1), 0: all.
-void prefill_attention_bf16(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                            const torch::Tensor& query_starts, const torch::Tensor& query_lens,
-                            const torch::Tensor& context_lens, const torch::Tensor& block_tables, double scale,
-                            int64_t window, torch::Tensor& out) {
+void prefill_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& query_starts, const at::Tensor& query_lens,
+                            const at::Tensor& context_lens, const at::Tensor& block_tables, double scale,
+                            int64_t window, at::Tensor& out) {
   const int64_t H = q.size(1), D = q.size(2), KVH = k_cache.size(1), block_size = k_cache.size(2), G = H / KVH;
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && q.stride(2) == 1 && q.stride(1) == D && D % 32 == 0 && D <= 128 &&
                   H % KVH == 0 && k_cache.is_contiguous() && v_cache.is_contiguous() && out.is_contiguous(),

@@ -241,10 +241,10 @@ void run_task(const Task& t, Scratch& s, const uint16_t* q, int64_t q_stride, co
 // are [query_starts[c], + query_lens[c]), the last query_lens[c] of its context_lens[c] tokens, whose keys and
 // values are in the cache [blocks, KVH, block_size, D] through block_tables[c]; `window` > 0: each row sees its last
 // `window` positions only (block_tables' entries before the first block a chunk's first row sees may be -1), 0: all.
-void prefill_attention_dpbf16(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                              const torch::Tensor& query_starts, const torch::Tensor& query_lens,
-                              const torch::Tensor& context_lens, const torch::Tensor& block_tables, double scale,
-                              int64_t window, torch::Tensor& out) {
+void prefill_attention_dpbf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                              const at::Tensor& query_starts, const at::Tensor& query_lens,
+                              const at::Tensor& context_lens, const at::Tensor& block_tables, double scale,
+                              int64_t window, at::Tensor& out) {
   const int64_t H = q.size(1), D = q.size(2), KVH = k_cache.size(1), bs = k_cache.size(2);
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 && out.is_contiguous() &&
                   out.scalar_type() == at::kBFloat16 && k_cache.is_contiguous() && v_cache.is_contiguous(),
@@ -252,8 +252,8 @@ void prefill_attention_dpbf16(const torch::Tensor& q, const torch::Tensor& k_cac
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == D && D % 32 == 0 && H % KVH == 0,
               "q rows [H, D] contiguous, head_dim % 32 == 0, whole query groups");
   TORCH_CHECK(window >= 0, "window: a positive number of tokens, or 0 for none");
-  auto starts = query_starts.to(torch::kInt64).contiguous(), lens = query_lens.to(torch::kInt64).contiguous();
-  auto contexts = context_lens.to(torch::kInt64).contiguous(), tables = block_tables.to(torch::kInt64).contiguous();
+  auto starts = query_starts.to(at::kLong).contiguous(), lens = query_lens.to(at::kLong).contiguous();
+  auto contexts = context_lens.to(at::kLong).contiguous(), tables = block_tables.to(at::kLong).contiguous();
   const int64_t* sp = starts.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
   const int64_t* cp = contexts.data_ptr<int64_t>();

@@ -191,8 +191,8 @@ bool tiles_serve(int64_t G, int64_t D, int64_t block_size) {
 // block_size]. With a sliding window a task reads from its first visible key on: its cost is the window's, not the
 // context's, and the freed blocks before it are never read.
 template <typename Rows>
-torch::Tensor paged_decode(const torch::Tensor& q, const Rows& rows, int64_t KVH, int64_t block_size,
-                           const torch::Tensor& block_tables, const torch::Tensor& context_lens, double scale,
+at::Tensor paged_decode(const at::Tensor& q, const Rows& rows, int64_t KVH, int64_t block_size,
+                           const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
                            int64_t window) {
   const paged_kv::DecodeBatch batch(q, KVH, block_size, block_tables, context_lens, window);
   const int64_t G = batch.G, D = batch.D, row_bytes = D * Rows::kBytes;
@@ -299,9 +299,9 @@ void dequantize_row(const int8_t* q, uint16_t scale, int64_t D, uint16_t* out) {
 
 }  // namespace
 
-torch::Tensor paged_decode_attention_bf16(const torch::Tensor& q, const torch::Tensor& k_cache,
-                                          const torch::Tensor& v_cache, const torch::Tensor& block_tables,
-                                          const torch::Tensor& context_lens, double scale, int64_t window) {
+at::Tensor paged_decode_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache,
+                                          const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                          const at::Tensor& context_lens, double scale, int64_t window) {
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous caches");
   const Bf16Rows rows{static_cast<const uint16_t*>(k_cache.data_ptr()),
                       static_cast<const uint16_t*>(v_cache.data_ptr()), q.size(2)};
@@ -309,9 +309,9 @@ torch::Tensor paged_decode_attention_bf16(const torch::Tensor& q, const torch::T
 }
 
 // kv_data: int8 [2, blocks, KVH, block_size, D] (keys, values); kv_scale: bf16 [2, blocks, KVH, block_size].
-torch::Tensor paged_decode_attention_int8(const torch::Tensor& q, const torch::Tensor& kv_data,
-                                          const torch::Tensor& kv_scale, const torch::Tensor& block_tables,
-                                          const torch::Tensor& context_lens, double scale, int64_t window) {
+at::Tensor paged_decode_attention_int8(const at::Tensor& q, const at::Tensor& kv_data,
+                                          const at::Tensor& kv_scale, const at::Tensor& block_tables,
+                                          const at::Tensor& context_lens, double scale, int64_t window) {
   paged_kv::check_int8_cache(kv_data, kv_scale);
   const auto* data = kv_data.data_ptr<int8_t>();
   const auto* scales = static_cast<const uint16_t*>(kv_scale.data_ptr());
@@ -319,12 +319,12 @@ torch::Tensor paged_decode_attention_int8(const torch::Tensor& q, const torch::T
   return paged_decode(q, rows, kv_data.size(2), kv_data.size(3), block_tables, context_lens, scale, window);
 }
 
-void write_kv_int8(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& kv_data, torch::Tensor& kv_scale,
-                   const torch::Tensor& slot_blocks, const torch::Tensor& slot_offsets) {
+void write_kv_int8(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv_data, at::Tensor& kv_scale,
+                   const at::Tensor& slot_blocks, const at::Tensor& slot_offsets) {
   paged_kv::write_int8_rows<&quantize_row>(k, v, kv_data, kv_scale, slot_blocks, slot_offsets);
 }
 
-torch::Tensor gather_int8_bf16(const torch::Tensor& kv_data, const torch::Tensor& kv_scale, int64_t which,
-                               const torch::Tensor& block_tables, int64_t length) {
+at::Tensor gather_int8_bf16(const at::Tensor& kv_data, const at::Tensor& kv_scale, int64_t which,
+                               const at::Tensor& block_tables, int64_t length) {
   return paged_kv::gather_int8_rows<&dequantize_row>(kv_data, kv_scale, which, block_tables, length);
 }

@@ -4,7 +4,7 @@
 // it reads it and computes in fp32, as the float32 reference does (`WidenedDecodeAttention`), where the torch path
 // spends most of a batch-1 token gathering the context, upcasting it and in dozens of small ops per layer
 // (`python -m bench.lab.avx2_path`).
-#include <torch/extension.h>
+#include "torch_api.h"
 
 #include <vector>
 
@@ -111,8 +111,8 @@ void attend_values(const float* p, int64_t L, const Rows& cache, const int64_t* 
 // time, an exact (two-pass) fp32 softmax, then the value sums. With a sliding window (> 0) a task reads only the
 // keys its row sees, from the first on: the window's cost, not the context's.
 template <class Rows>
-torch::Tensor paged_decode(const torch::Tensor& q, const Rows& cache, int64_t KVH, int64_t block_size,
-                           const torch::Tensor& block_tables, const torch::Tensor& context_lens, double scale,
+at::Tensor paged_decode(const at::Tensor& q, const Rows& cache, int64_t KVH, int64_t block_size,
+                           const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
                            int64_t window) {
   const paged_kv::DecodeBatch batch(q, KVH, block_size, block_tables, context_lens, window);
   const int64_t G = batch.G, D = batch.D;
@@ -144,9 +144,9 @@ torch::Tensor paged_decode(const torch::Tensor& q, const Rows& cache, int64_t KV
   return batch.out;
 }
 
-torch::Tensor paged_decode_attention_bf16(const torch::Tensor& q, const torch::Tensor& k_cache,
-                                          const torch::Tensor& v_cache, const torch::Tensor& block_tables,
-                                          const torch::Tensor& context_lens, double scale, int64_t window) {
+at::Tensor paged_decode_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache,
+                                          const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                          const at::Tensor& context_lens, double scale, int64_t window) {
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous caches");
   const Bf16Rows cache{static_cast<const uint16_t*>(k_cache.data_ptr()),
                        static_cast<const uint16_t*>(v_cache.data_ptr()), q.size(2)};
@@ -154,16 +154,16 @@ torch::Tensor paged_decode_attention_bf16(const torch::Tensor& q, const torch::T
 }
 
 // The int8 cache's planes as rows (paged_kv::check_int8_cache says their layout).
-Int8Rows int8_rows(const torch::Tensor& kv_data, const torch::Tensor& kv_scale) {
+Int8Rows int8_rows(const at::Tensor& kv_data, const at::Tensor& kv_scale) {
   paged_kv::check_int8_cache(kv_data, kv_scale);
   const auto* data = kv_data.data_ptr<int8_t>();
   const auto* scales = static_cast<const uint16_t*>(kv_scale.data_ptr());
   return {data, data + kv_data[0].numel(), scales, scales + kv_scale[0].numel(), kv_data.size(4)};
 }
 
-torch::Tensor paged_decode_attention_int8(const torch::Tensor& q, const torch::Tensor& kv_data,
-                                          const torch::Tensor& kv_scale, const torch::Tensor& block_tables,
-                                          const torch::Tensor& context_lens, double scale, int64_t window) {
+at::Tensor paged_decode_attention_int8(const at::Tensor& q, const at::Tensor& kv_data,
+                                          const at::Tensor& kv_scale, const at::Tensor& block_tables,
+                                          const at::Tensor& context_lens, double scale, int64_t window) {
   return paged_decode(q, int8_rows(kv_data, kv_scale), kv_data.size(2), kv_data.size(3), block_tables, context_lens,
                       scale, window);
 }

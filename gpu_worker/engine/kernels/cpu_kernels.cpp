@@ -76,13 +76,13 @@ static void gemv_rows_bf16(const uint16_t* xp, const uint16_t* wp, uint16_t* yp,
   });
 }
 
-torch::Tensor gemv_bf16(const torch::Tensor& x, const torch::Tensor& w, int64_t streams, int64_t prefetch_rows) {
+at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& w, int64_t streams, int64_t prefetch_rows) {
   TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kGemvRows && x.is_contiguous(),
               "x must be [M, K] contiguous, 1 <= M <= ", kGemvRows);
   TORCH_CHECK(w.is_contiguous() && w.size(1) == x.size(1) && w.size(1) % 32 == 0, "w must be [N, K], K % 32 == 0");
   TORCH_CHECK(streams >= 1 && prefetch_rows >= 0, "streams >= 1, prefetch_rows >= 0");
   const int64_t M = x.size(0), K = w.size(1), N = w.size(0);
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
   const auto* xp = static_cast<const uint16_t*>(x.data_ptr());
   const auto* wp = static_cast<const uint16_t*>(w.data_ptr());
   auto* yp = static_cast<uint16_t*>(y.data_ptr());
@@ -135,12 +135,12 @@ static inline void tile_rows_bf16(int64_t nr, const uint16_t* x, const uint16_t*
   tile_dot_bf16<MR, NR>(x, w, K, y, N);
 }
 
-torch::Tensor rowwise_mm_bf16(const torch::Tensor& x, const torch::Tensor& w) {
+at::Tensor rowwise_mm_bf16(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16, "x must be [M, K] contiguous bf16");
   TORCH_CHECK(w.is_contiguous() && w.scalar_type() == at::kBFloat16 && w.size(1) == x.size(1) && w.size(1) % 32 == 0,
               "w must be [N, K] contiguous bf16, K % 32 == 0");
   const int64_t M = x.size(0), K = w.size(1), N = w.size(0);
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
   const auto* xp = static_cast<const uint16_t*>(x.data_ptr());
   const auto* wp = static_cast<const uint16_t*>(w.data_ptr());
   auto* yp = static_cast<uint16_t*>(y.data_ptr());

@@ -2,7 +2,7 @@
 // bf16 conversions, a vectorized exp and softmax, a range's software prefetch, and the attention kernels'
 // declarations.
 #pragma once
-#include <torch/extension.h>
+#include "torch_api.h"
 #include <immintrin.h>
 #include <algorithm>
 #include <cmath>
@@ -66,26 +66,26 @@ static inline __m256i to_bf16x16(__m512 v) {  // round to nearest even, as to_bf
 }
 
 // `window`: each decode row's (each prefill row's) sliding window in tokens, itself included; 0 for none.
-torch::Tensor paged_decode_attention_bf16(const torch::Tensor& q, const torch::Tensor& k_cache,
-                                          const torch::Tensor& v_cache, const torch::Tensor& block_tables,
-                                          const torch::Tensor& context_lens, double scale, int64_t window);
-torch::Tensor paged_decode_attention_int8(const torch::Tensor& q, const torch::Tensor& kv_data,
-                                          const torch::Tensor& kv_scale, const torch::Tensor& block_tables,
-                                          const torch::Tensor& context_lens, double scale, int64_t window);
-void write_kv_int8(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& kv_data, torch::Tensor& kv_scale,
-                   const torch::Tensor& slot_blocks, const torch::Tensor& slot_offsets);
-torch::Tensor gather_int8_bf16(const torch::Tensor& kv_data, const torch::Tensor& kv_scale, int64_t which,
-                               const torch::Tensor& block_tables, int64_t length);
+at::Tensor paged_decode_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache,
+                                          const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                          const at::Tensor& context_lens, double scale, int64_t window);
+at::Tensor paged_decode_attention_int8(const at::Tensor& q, const at::Tensor& kv_data,
+                                          const at::Tensor& kv_scale, const at::Tensor& block_tables,
+                                          const at::Tensor& context_lens, double scale, int64_t window);
+void write_kv_int8(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv_data, at::Tensor& kv_scale,
+                   const at::Tensor& slot_blocks, const at::Tensor& slot_offsets);
+at::Tensor gather_int8_bf16(const at::Tensor& kv_data, const at::Tensor& kv_scale, int64_t which,
+                               const at::Tensor& block_tables, int64_t length);
 #ifndef TOKENFLEET_AMX
-void prefill_attention_dpbf16(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                              const torch::Tensor& query_starts, const torch::Tensor& query_lens,
-                              const torch::Tensor& context_lens, const torch::Tensor& block_tables, double scale,
-                              int64_t window, torch::Tensor& out);
+void prefill_attention_dpbf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                              const at::Tensor& query_starts, const at::Tensor& query_lens,
+                              const at::Tensor& context_lens, const at::Tensor& block_tables, double scale,
+                              int64_t window, at::Tensor& out);
 #else
-torch::Tensor amx_linear_bf16(const torch::Tensor& x, const torch::Tensor& packed, int64_t N,
-                              const c10::optional<torch::Tensor>& bias);
-void prefill_attention_bf16(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                            const torch::Tensor& query_starts, const torch::Tensor& query_lens,
-                            const torch::Tensor& context_lens, const torch::Tensor& block_tables, double scale,
-                            int64_t window, torch::Tensor& out);
+at::Tensor amx_linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                              const c10::optional<at::Tensor>& bias);
+void prefill_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& query_starts, const at::Tensor& query_lens,
+                            const at::Tensor& context_lens, const at::Tensor& block_tables, double scale,
+                            int64_t window, at::Tensor& out);
 #endif

@@ -5,7 +5,7 @@
 // torch reference in ops.py does and is checked against it in tests/gpu_worker/engine/test_cpu_kernels.py. All are
 // memory-bound: the torch path moves the same bytes several times (upcasts, one pass per op).
 #pragma once
-#include <torch/extension.h>
+#include "torch_api.h"
 
 #include <cmath>
 #include <vector>
@@ -33,10 +33,10 @@ inline typename V::F exp(typename V::F x) {
 
 // out[T, I] = bf16(silu(gate)) * up for x = [gate | up] of shape [T, 2I], each op's result rounded to bf16 as torch's.
 template <class V>
-torch::Tensor silu_and_mul(const torch::Tensor& x) {
+at::Tensor silu_and_mul(const at::Tensor& x) {
   TORCH_CHECK(x.is_contiguous() && x.size(1) % 32 == 0, "x must be [T, 2I] contiguous, I % 16 == 0");
   const int64_t T = x.size(0), I = x.size(1) / 2;
-  auto out = torch::empty({T, I}, x.options());
+  auto out = at::empty({T, I}, x.options());
   const auto* xp = static_cast<const uint16_t*>(x.data_ptr());
   auto* op = static_cast<uint16_t*>(out.data_ptr());
   // silu(g) = g / (1 + e^-g): with g above 88 (e^-g below fp32's range) e^-g clamps at e^-87, which divides g by 1.
@@ -66,10 +66,10 @@ inline void rms_norm_row(const uint16_t* x, const uint16_t* w, uint16_t* out, in
 }
 
 template <class V>
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.is_contiguous() && x.size(-1) % 16 == 0, "x must be contiguous, hidden % 16 == 0");
   const int64_t H = x.size(-1), T = x.numel() / H;
-  auto out = torch::empty_like(x);
+  auto out = at::empty_like(x);
   const auto* xp = static_cast<const uint16_t*>(x.data_ptr());
   const auto* wp = static_cast<const uint16_t*>(weight.data_ptr());
   auto* op = static_cast<uint16_t*>(out.data_ptr());
@@ -81,13 +81,13 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
 // (rms_norm(x + residual), x + residual), the sum rounded to bf16 as torch's add: the residual stream's add and the
 // next norm in one pass over the row instead of two ops.
 template <class V>
-std::vector<torch::Tensor> add_rms_norm(const torch::Tensor& x, const torch::Tensor& residual,
-                                        const torch::Tensor& weight, double eps) {
+std::vector<at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                        const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && x.sizes() == residual.sizes() && x.size(-1) % 16 == 0,
               "x and residual must be contiguous, of one shape, hidden % 16 == 0");
   const int64_t H = x.size(-1), T = x.numel() / H;
-  auto out = torch::empty_like(x);
-  auto sum = torch::empty_like(x);
+  auto out = at::empty_like(x);
+  auto sum = at::empty_like(x);
   const auto* xp = static_cast<const uint16_t*>(x.data_ptr());
   const auto* rp = static_cast<const uint16_t*>(residual.data_ptr());
   const auto* wp = static_cast<const uint16_t*>(weight.data_ptr());
@@ -157,11 +157,11 @@ int64_t argmax_row(const uint16_t* row, int64_t width) {
 }
 
 template <class V>
-torch::Tensor argmax(const torch::Tensor& logits) {
+at::Tensor argmax(const at::Tensor& logits) {
   TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous(), "logits must be [B, V] contiguous");
   const int64_t B = logits.size(0), width = logits.size(1);
   TORCH_CHECK(width >= 1 && width < (int64_t{1} << 31), "V must be in [1, 2^31)");
-  auto out = torch::empty({B}, logits.options().dtype(torch::kInt64));
+  auto out = at::empty({B}, logits.options().dtype(at::kLong));
   const auto* lp = static_cast<const uint16_t*>(logits.data_ptr());
   int64_t* op = out.data_ptr<int64_t>();
 #pragma omp parallel for schedule(static) if (B > 1)
@@ -172,7 +172,7 @@ torch::Tensor argmax(const torch::Tensor& logits) {
 // In-place rotary embedding (HF's rotate-half layout) of the first `heads` heads of each row of qkv [T, W], with
 // HF's bf16 rounding: x*cos and rotate_half(x)*sin each rounded, then their sum.
 template <class V>
-void rotary_inplace(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin, int64_t heads,
+void rotary_inplace(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t heads,
                     int64_t head_dim) {
   TORCH_CHECK(qkv.is_contiguous() && cos.is_contiguous() && sin.is_contiguous() && head_dim % 32 == 0,
               "contiguous inputs, head_dim % 32 == 0");

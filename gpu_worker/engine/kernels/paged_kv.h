@@ -2,7 +2,7 @@
 // AVX2) share: a decode batch's tasks and their rows in the paged cache [blocks, KVH, block_size, D], the rotation of
 // a fused projection's q and k heads, and the KV write.
 #pragma once
-#include <torch/extension.h>
+#include "torch_api.h"
 
 #include <algorithm>
 #include <cstring>
@@ -32,19 +32,19 @@ inline void list_rows(const int64_t* table, int64_t head, int64_t KVH, int64_t b
 // none) a row of context L sees its last `window` tokens only, [max(0, L - window), L); the table's entries before
 // that first key's block may be freed (-1) and are never read.
 struct DecodeBatch {
-  torch::Tensor tables, lens, out;
+  at::Tensor tables, lens, out;
   int64_t B, H, D, KVH, G, block_size, max_blocks, q_row, window;
 
-  DecodeBatch(const torch::Tensor& q, int64_t kv_heads, int64_t block_size_, const torch::Tensor& block_tables,
-              const torch::Tensor& context_lens, int64_t window_)
-      : tables(block_tables.to(torch::kInt64).contiguous()), lens(context_lens.to(torch::kInt64).contiguous()),
+  DecodeBatch(const at::Tensor& q, int64_t kv_heads, int64_t block_size_, const at::Tensor& block_tables,
+              const at::Tensor& context_lens, int64_t window_)
+      : tables(block_tables.to(at::kLong).contiguous()), lens(context_lens.to(at::kLong).contiguous()),
         B(q.size(0)), H(q.size(1)), D(q.size(2)), KVH(kv_heads), G(q.size(1) / kv_heads), block_size(block_size_),
         max_blocks(tables.size(1)), q_row(q.stride(0)), window(window_) {
     TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == D && q.scalar_type() == at::kBFloat16,
                 "q must be bf16 with contiguous heads");
     TORCH_CHECK(D % 32 == 0 && H % KVH == 0, "head_dim % 32 == 0 and whole query groups");
     TORCH_CHECK(window >= 0, "window: a positive number of tokens, or 0 for none");
-    out = torch::empty({B, H, D}, q.options());
+    out = at::empty({B, H, D}, q.options());
   }
   int64_t tasks() const { return B * KVH; }
   int64_t sequence(int64_t task) const { return task / KVH; }
@@ -53,7 +53,7 @@ struct DecodeBatch {
   // The first position the task's row sees.
   int64_t first_key(int64_t task) const { return window > 0 ? std::max<int64_t>(0, context(task) - window) : 0; }
   // The task's G query heads [G, D] in q, and where their outputs go in `out`.
-  const uint16_t* queries(const torch::Tensor& q, int64_t task) const {
+  const uint16_t* queries(const at::Tensor& q, int64_t task) const {
     return static_cast<const uint16_t*>(q.data_ptr()) + sequence(task) * q_row + head(task) * G * D;
   }
   uint16_t* outputs(int64_t task) const {
@@ -70,8 +70,8 @@ struct DecodeBatch {
 // Calls row(t, h, dst_row, src_k, src_v) for each token t and KV head h of k, v [T, KVH, D] (column slices of
 // the fused qkv output: only each token's [KVH, D] must be contiguous), dst_row its cache row.
 template <typename F>
-void for_each_slot(const torch::Tensor& k, const torch::Tensor& v, int64_t KVH_cache, int64_t block_size,
-                   const torch::Tensor& slot_blocks, const torch::Tensor& slot_offsets, F&& row) {
+void for_each_slot(const at::Tensor& k, const at::Tensor& v, int64_t KVH_cache, int64_t block_size,
+                   const at::Tensor& slot_blocks, const at::Tensor& slot_offsets, F&& row) {
   const int64_t T = k.size(0), KVH = k.size(1), D = k.size(2);
   TORCH_CHECK(k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16, "k and v must be bf16");
   TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == D && v.stride(2) == 1 && v.stride(1) == D, "rows [KVH, D] contiguous");
@@ -91,8 +91,8 @@ void for_each_slot(const torch::Tensor& k, const torch::Tensor& v, int64_t KVH_c
 
 // cache[slot_blocks[t], :, slot_offsets[t]] = rows[t] for k and v of a bf16 cache: what the reference's two
 // index_put calls do, in one call without the advanced-indexing overhead (a share of a batch-1 decode step).
-inline void write_rows(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_cache, torch::Tensor& v_cache,
-                       const torch::Tensor& slot_blocks, const torch::Tensor& slot_offsets) {
+inline void write_rows(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
+                       const at::Tensor& slot_blocks, const at::Tensor& slot_offsets) {
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "cache [blocks, KVH, bs, D] contiguous");
   const int64_t D = k.size(2);
   auto* kc = static_cast<uint16_t*>(k_cache.data_ptr());
@@ -107,11 +107,11 @@ inline void write_rows(const torch::Tensor& k, const torch::Tensor& v, torch::Te
 // q [B, H, D], k and v [B, KVH, D]: views of a fused projection's rows qkv [B, (H + 2 KVH) D], after rotating
 // q's and k's heads in place.
 struct RotatedQkv {
-  torch::Tensor q, k, v;
+  at::Tensor q, k, v;
 };
 
 template <class V>
-RotatedQkv rotate(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin, int64_t H, int64_t KVH) {
+RotatedQkv rotate(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t H, int64_t KVH) {
   const int64_t B = qkv.size(0), D = qkv.size(1) / (H + 2 * KVH);
   TORCH_CHECK(qkv.size(1) == (H + 2 * KVH) * D, "qkv holds ", H, " query and 2 x ", KVH, " key/value heads");
   elementwise::rotary_inplace<V>(qkv, cos, sin, H + KVH, D);
@@ -119,18 +119,18 @@ RotatedQkv rotate(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Ten
           qkv.narrow(1, (H + KVH) * D, KVH * D).view({B, KVH, D})};
 }
 
-using DecodeAttention = torch::Tensor (*)(const torch::Tensor& q, const torch::Tensor& k_cache,
-                                          const torch::Tensor& v_cache, const torch::Tensor& block_tables,
-                                          const torch::Tensor& context_lens, double scale, int64_t window);
+using DecodeAttention = at::Tensor (*)(const at::Tensor& q, const at::Tensor& k_cache,
+                                          const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                          const at::Tensor& context_lens, double scale, int64_t window);
 
 // A decode-only step's attention for one layer in one call: rotary (on V's vectors), the KV write and `attend`,
 // which as four calls from Python (with the split of qkv and the cache's views) spent more time in the interpreter
 // than in the kernels at batch 1. Returns [B, H * D].
 template <class V, DecodeAttention attend>
-torch::Tensor decode_step_bf16(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
-                               const torch::Tensor& kv_cache, const torch::Tensor& slot_blocks,
-                               const torch::Tensor& slot_offsets, const torch::Tensor& block_tables,
-                               const torch::Tensor& context_lens, int64_t H, int64_t KVH, double scale,
+at::Tensor decode_step_bf16(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                               const at::Tensor& kv_cache, const at::Tensor& slot_blocks,
+                               const at::Tensor& slot_offsets, const at::Tensor& block_tables,
+                               const at::Tensor& context_lens, int64_t H, int64_t KVH, double scale,
                                int64_t window) {
   auto [q, k, v] = rotate<V>(qkv, cos, sin, H, KVH);
   auto k_cache = kv_cache.select(0, 0), v_cache = kv_cache.select(0, 1);
@@ -140,7 +140,7 @@ torch::Tensor decode_step_bf16(torch::Tensor& qkv, const torch::Tensor& cos, con
 
 // An int8 cache's planes: kv_data int8 [2, blocks, KVH, block_size, D] (keys, values), kv_scale bf16 [2, blocks, KVH,
 // block_size], a scale per row.
-inline void check_int8_cache(const torch::Tensor& kv_data, const torch::Tensor& kv_scale) {
+inline void check_int8_cache(const at::Tensor& kv_data, const at::Tensor& kv_scale) {
   TORCH_CHECK(kv_data.is_contiguous() && kv_scale.is_contiguous() && kv_data.scalar_type() == at::kChar &&
                   kv_scale.scalar_type() == at::kBFloat16 && kv_data.size(4) % 16 == 0,
               "an int8 cache with bf16 scales, contiguous, head_dim % 16 == 0");
@@ -153,8 +153,8 @@ using DequantizeRow = void (*)(const int8_t* q, uint16_t scale, int64_t D, uint1
 
 // write_rows into an int8 cache: each row quantized with its own scale as it is written.
 template <QuantizeRow quantize>
-void write_int8_rows(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& kv_data, torch::Tensor& kv_scale,
-                     const torch::Tensor& slot_blocks, const torch::Tensor& slot_offsets) {
+void write_int8_rows(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv_data, at::Tensor& kv_scale,
+                     const at::Tensor& slot_blocks, const at::Tensor& slot_offsets) {
   check_int8_cache(kv_data, kv_scale);
   const int64_t D = k.size(2), values = kv_data[0].numel(), scales = kv_scale[0].numel();
   auto* data = kv_data.data_ptr<int8_t>();
@@ -172,15 +172,15 @@ void write_int8_rows(const torch::Tensor& k, const torch::Tensor& v, torch::Tens
 // multiply took four passes in torch's bf16 ops. A freed entry (-1: a block wholly before a sliding window) is not
 // read: its tokens come out as zeros, where the reference gathers block 0 in its place (masked, either way).
 template <DequantizeRow dequantize>
-torch::Tensor gather_int8_rows(const torch::Tensor& kv_data, const torch::Tensor& kv_scale, int64_t which,
-                               const torch::Tensor& block_tables, int64_t length) {
+at::Tensor gather_int8_rows(const at::Tensor& kv_data, const at::Tensor& kv_scale, int64_t which,
+                               const at::Tensor& block_tables, int64_t length) {
   check_int8_cache(kv_data, kv_scale);
   TORCH_CHECK(which == 0 || which == 1, "which: 0 (keys) or 1 (values)");
   const int64_t KVH = kv_data.size(2), bs = kv_data.size(3), D = kv_data.size(4);
-  auto tables = block_tables.to(torch::kInt64).contiguous();
+  auto tables = block_tables.to(at::kLong).contiguous();
   const int64_t B = tables.size(0), max_blocks = tables.size(1);
   TORCH_CHECK(length <= max_blocks * bs, "length ", length, " is past the block tables' ", max_blocks * bs, " tokens");
-  auto out = torch::empty({B, KVH, length, D}, kv_scale.options());
+  auto out = at::empty({B, KVH, length, D}, kv_scale.options());
   const int8_t* data = kv_data.data_ptr<int8_t>() + which * kv_data[0].numel();
   const auto* scales = static_cast<const uint16_t*>(kv_scale.data_ptr()) + which * kv_scale[0].numel();
   const int64_t* tp = tables.data_ptr<int64_t>();
@@ -202,16 +202,16 @@ torch::Tensor gather_int8_rows(const torch::Tensor& kv_data, const torch::Tensor
   return out;
 }
 
-using Int8Write = void (*)(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& kv_data,
-                          torch::Tensor& kv_scale, const torch::Tensor& slot_blocks, const torch::Tensor& slot_offsets);
+using Int8Write = void (*)(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv_data,
+                          at::Tensor& kv_scale, const at::Tensor& slot_blocks, const at::Tensor& slot_offsets);
 
 // The same over an int8 cache (kv_data int8 [2, blocks, KVH, block_size, D], kv_scale [2, blocks, KVH, block_size]):
 // `write` quantizes each row as it writes it, `attend` reads the cache at one byte a value.
 template <class V, Int8Write write, DecodeAttention attend>
-torch::Tensor decode_step_int8(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
-                               const torch::Tensor& kv_data, const torch::Tensor& kv_scale,
-                               const torch::Tensor& slot_blocks, const torch::Tensor& slot_offsets,
-                               const torch::Tensor& block_tables, const torch::Tensor& context_lens, int64_t H,
+at::Tensor decode_step_int8(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                               const at::Tensor& kv_data, const at::Tensor& kv_scale,
+                               const at::Tensor& slot_blocks, const at::Tensor& slot_offsets,
+                               const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t H,
                                int64_t KVH, double scale, int64_t window) {
   auto [q, k, v] = rotate<V>(qkv, cos, sin, H, KVH);
   auto data = kv_data, scales = kv_scale;

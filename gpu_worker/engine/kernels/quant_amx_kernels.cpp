@@ -14,7 +14,7 @@
 // quarter of the speed: their rows share a cache set. Per-channel int8 is dequantized to its integers (exact
 // in bf16) and the scale applied to the fp32 products, so it computes the exact weight; per-group int8 and
 // int4 are dequantized with their scales, rounded to bf16 as the tiles path of quant_cpu_kernels.cpp does.
-#include <torch/extension.h>
+#include "torch_api.h"
 #include <immintrin.h>
 #include <algorithm>
 #include <cstdint>
@@ -29,7 +29,7 @@ namespace {
 constexpr int64_t kBlockRows = 32;  // weight rows a block: two A tiles
 
 // x [M, K] bf16 as B tiles: xp[m / 16][kp][m % 16] = the pair x[m][2kp .. 2kp + 2), rows past M zero.
-std::vector<uint32_t> pack_x(const torch::Tensor& xb, int64_t m_blocks) {
+std::vector<uint32_t> pack_x(const at::Tensor& xb, int64_t m_blocks) {
   const int64_t M = xb.size(0), pairs = xb.size(1) / 2;
   const auto* xw = static_cast<const uint32_t*>(xb.data_ptr());
   std::vector<uint32_t> xp(m_blocks * pairs * 16, 0);
@@ -83,12 +83,12 @@ void store_tile(const float* c, const float* row_scale, at::BFloat16* y, int64_t
 // y = x @ W.T. `dequant(block, n, row)` writes weight row n (< N) as K bf16 values into row `row` of a block in
 // A-tile layout (see a_offset) and returns the scale its products take (1 where dequant applied it).
 template <typename Dequant>
-torch::Tensor amx_mm(const torch::Tensor& x, int64_t N, int64_t K, Dequant&& dequant) {
+at::Tensor amx_mm(const at::Tensor& x, int64_t N, int64_t K, Dequant&& dequant) {
   TORCH_CHECK(amx_permitted(), "this process may not use AMX tiles (Linux refused arch_prctl)");
   const int64_t M = x.size(0), kb_count = K / 32, m_blocks = (M + 15) / 16, blocks = (N + kBlockRows - 1) / kBlockRows;
   const auto xb = x.to(at::kBFloat16).contiguous();
   const std::vector<uint32_t> xp = pack_x(xb, m_blocks);
-  auto y = torch::empty({M, N}, xb.options());
+  auto y = at::empty({M, N}, xb.options());
   auto* yp = y.data_ptr<at::BFloat16>();
 #pragma omp parallel
   {
@@ -147,7 +147,7 @@ torch::Tensor amx_mm(const torch::Tensor& x, int64_t N, int64_t K, Dequant&& deq
   return x.scalar_type() == at::kBFloat16 ? y : y.to(x.scalar_type());
 }
 
-void check_x(const torch::Tensor& x, int64_t K) {
+void check_x(const at::Tensor& x, int64_t K) {
   TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
                   x.dim() == 2 && x.size(0) >= 1 && x.size(1) == K,
               "x must be a float32 or bfloat16 [M, ", K, "] CPU tensor with M >= 1, got ", x.sizes());
@@ -159,7 +159,7 @@ void check_x(const torch::Tensor& x, int64_t K) {
 bool amx_usable() { return amx_permitted(); }
 
 // y [M, N] = x [M, K] @ (q * scale).T: scale [N, groups], one group of K per channel.
-torch::Tensor int8_amx_mm(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale) {
+at::Tensor int8_amx_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale) {
   const Int8Weight w8 = int8_weight(q, scale);
   check_x(x, w8.K);
   return dispatch_scale(w8.scale, [&](auto* sp) {
@@ -170,8 +170,8 @@ torch::Tensor int8_amx_mm(const torch::Tensor& x, const torch::Tensor& q, const 
 }
 
 // y [M, N] = x [M, K] @ (q * scale + offset).T, q the nibbles of packed, scale/offset [N, K / G].
-torch::Tensor int4_amx_mm(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
-                          const torch::Tensor& offset) {
+at::Tensor int4_amx_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                          const at::Tensor& offset) {
   const Int4Weight w4 = int4_weight(packed, scale, offset);
   check_x(x, w4.K);
   return dispatch_scale(w4.scale, [&](auto* sp) {

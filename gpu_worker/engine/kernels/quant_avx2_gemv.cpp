@@ -13,7 +13,7 @@
 // (input 2i in the low nibble of byte i, 2i + 1 in the high one), scale and offset [N, K/G]: w = q * scale +
 // offset over each group of G inputs, G % 32 == 0. Scales may be float32 or bfloat16. y is [M, N] in x's dtype
 // (bf16 or fp32), M <= kMaxRowsAtOnce.
-#include <torch/extension.h>
+#include "torch_api.h"
 #include <immintrin.h>
 #include <cmath>
 #include <cstdint>
@@ -61,7 +61,7 @@ RunQuantizedX quantize_runs(const X* xp, int64_t M, int64_t K, int64_t G) {
   return out;
 }
 
-RunQuantizedX quantize_runs(const torch::Tensor& x, int64_t G) {
+RunQuantizedX quantize_runs(const at::Tensor& x, int64_t G) {
   const auto xc = x.contiguous();
   return xc.scalar_type() == at::kBFloat16
              ? quantize_runs(xc.data_ptr<at::BFloat16>(), x.size(0), x.size(1), G)
@@ -123,11 +123,11 @@ void a8_rows(const RunQuantizedX& x, const Int4Rows& rows, const S* scale, const
 }
 
 template <typename S>
-torch::Tensor gemv_a8(const torch::Tensor& x, const Int4Rows& rows, const S* scale, const S* offset, int64_t N,
+at::Tensor gemv_a8(const at::Tensor& x, const Int4Rows& rows, const S* scale, const S* offset, int64_t N,
                       int64_t G) {
   check_few_rows_x(x, rows.K);
   const RunQuantizedX xq = quantize_runs(x, G);
-  auto y = torch::empty({x.size(0), N}, x.options());
+  auto y = at::empty({x.size(0), N}, x.options());
   const auto run = [&](auto* yp) {
     dispatch_rows(x.size(0), [&](auto m) {
       parallel_rows(N, rows.K, [&](int64_t n0, int64_t n1) { a8_rows<m()>(xq, rows, scale, offset, yp, N, G, n0, n1); });
@@ -141,8 +141,8 @@ torch::Tensor gemv_a8(const torch::Tensor& x, const Int4Rows& rows, const S* sca
 }  // namespace
 
 // y [M, N] = x [M, K] @ (q * scale + offset).T, q the nibbles of packed, x quantized per run of 32 (M <= 8).
-torch::Tensor int4_gemv_a8(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
-                           const torch::Tensor& offset) {
+at::Tensor int4_gemv_a8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                           const at::Tensor& offset) {
   const Int4Weight w = int4_weight(packed, scale, offset);
   return dispatch_scale(w.scale, [&](auto* sp) {
     const auto* op = reinterpret_cast<decltype(sp)>(w.offset.data_ptr());

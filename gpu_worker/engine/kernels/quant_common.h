@@ -3,7 +3,7 @@
 // to templates, weight rows split among threads, and runs of weights dequantized to bf16. Internal linkage: the
 // modules are built for different instruction sets.
 #pragma once
-#include <torch/extension.h>
+#include "torch_api.h"
 #include <immintrin.h>
 #include <cstdint>
 #include <type_traits>
@@ -62,7 +62,7 @@ void parallel_rows(int64_t N, int64_t K, F&& rows) {
 
 // Calls body(S*, Y*) with the scales' and the output's element types.
 template <typename F>
-void dispatch_types(const torch::Tensor& scale, const torch::Tensor& y, F&& body) {
+void dispatch_types(const at::Tensor& scale, const at::Tensor& y, F&& body) {
   const bool bf16_scale = scale.scalar_type() == at::kBFloat16, bf16_y = y.scalar_type() == at::kBFloat16;
   if (bf16_scale && bf16_y) body(scale.data_ptr<at::BFloat16>(), y.data_ptr<at::BFloat16>());
   else if (bf16_scale) body(scale.data_ptr<at::BFloat16>(), y.data_ptr<float>());
@@ -99,14 +99,14 @@ inline void int4_run_avx512(const uint8_t* p, float scale, float offset, uint16_
 }
 
 // x of a few-row product: [M, K], 1 <= M <= kMaxRowsAtOnce, float32 or bf16.
-inline void check_few_rows_x(const torch::Tensor& x, int64_t K) {
+inline void check_few_rows_x(const at::Tensor& x, int64_t K) {
   TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "x must be a float32 or bfloat16 CPU tensor");
   TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kMaxRowsAtOnce && x.size(1) == K,
               "x must be [M, K] with 1 <= M <= ", kMaxRowsAtOnce, " and K = ", K, ", got ", x.sizes());
 }
 
-inline void check_scales(const torch::Tensor& s, at::IntArrayRef shape, const char* name) {
+inline void check_scales(const at::Tensor& s, at::IntArrayRef shape, const char* name) {
   TORCH_CHECK(s.device().is_cpu() && (s.scalar_type() == at::kFloat || s.scalar_type() == at::kBFloat16),
               name, " must be a float32 or bfloat16 CPU tensor");
   TORCH_CHECK(s.sizes() == shape, name, " must be ", shape, ", got ", s.sizes());
@@ -114,12 +114,12 @@ inline void check_scales(const torch::Tensor& s, at::IntArrayRef shape, const ch
 
 // Calls body(S*) with the scales' element type and returns what it returns.
 template <typename F>
-auto dispatch_scale(const torch::Tensor& scale, F&& body) {
+auto dispatch_scale(const at::Tensor& scale, F&& body) {
   return scale.scalar_type() == at::kBFloat16 ? body(scale.data_ptr<at::BFloat16>()) : body(scale.data_ptr<float>());
 }
 
 // The group size that `scale` [N, groups] implies for K inputs.
-inline int64_t group_of(const torch::Tensor& scale, int64_t N, int64_t K, int64_t multiple) {
+inline int64_t group_of(const at::Tensor& scale, int64_t N, int64_t K, int64_t multiple) {
   TORCH_CHECK(scale.dim() == 2 && scale.size(0) == N && scale.size(1) >= 1 && K % scale.size(1) == 0,
               "scale must be [N, groups] with N = ", N, " and groups dividing K = ", K, ", got ", scale.sizes());
   const int64_t G = K / scale.size(1);
@@ -131,10 +131,10 @@ inline int64_t group_of(const torch::Tensor& scale, int64_t N, int64_t K, int64_
 struct Int8Weight {
   const int8_t* q;
   int64_t N, K, G;
-  torch::Tensor scale;
+  at::Tensor scale;
 };
 
-inline Int8Weight int8_weight(const torch::Tensor& q, const torch::Tensor& scale) {
+inline Int8Weight int8_weight(const at::Tensor& q, const at::Tensor& scale) {
   TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kChar && q.dim() == 2 && q.is_contiguous(),
               "q must be a contiguous int8 [N, K] CPU tensor");
   check_scales(scale, scale.sizes(), "scale");
@@ -146,10 +146,10 @@ inline Int8Weight int8_weight(const torch::Tensor& q, const torch::Tensor& scale
 struct Int4Weight {
   const uint8_t* packed;
   int64_t N, K, G;
-  torch::Tensor scale, offset;
+  at::Tensor scale, offset;
 };
 
-inline Int4Weight int4_weight(const torch::Tensor& packed, const torch::Tensor& scale, const torch::Tensor& offset) {
+inline Int4Weight int4_weight(const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& offset) {
   TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte && packed.dim() == 2 &&
                   packed.is_contiguous(), "packed must be a contiguous uint8 [N, K / 2] CPU tensor");
   check_scales(scale, scale.sizes(), "scale");

@@ -17,7 +17,7 @@
 //         offset [N, K/G]: w = q * scale + offset over each group of G inputs.
 // Scales and offsets may be float32 or bfloat16 (half the bytes; our quantizers make them bf16-exact).
 // x is [M, K] bf16 or fp32, converted to fp32 once; accumulation is fp32 with FMA; y is [M, N] in x's dtype.
-#include <torch/extension.h>
+#include "torch_api.h"
 #include <immintrin.h>
 #include <algorithm>
 #include <cmath>
@@ -116,7 +116,7 @@ void int8_rows(const float* x, const Q* q, S scale, Y* y, int64_t N, int64_t K, 
 
 // x [M, K] as fp32: x's own data when it is fp32 and contiguous, else a copy in `buffer`. (Converting here
 // rather than with x.to(kFloat) saves a torch op, a noticeable share of a call at small N.)
-const float* x_as_fp32(const torch::Tensor& x, std::vector<float>& buffer) {
+const float* x_as_fp32(const at::Tensor& x, std::vector<float>& buffer) {
   if (x.scalar_type() == at::kFloat && x.is_contiguous()) return x.data_ptr<float>();
   const auto xc = x.contiguous();
   buffer.resize(xc.numel());
@@ -194,15 +194,15 @@ void int4_dequant_rows(const uint8_t* packed, const S* scale, const S* offset, T
 // `dequant(buffer, n0, n1)` writes rows [n0, n1) of W as T.
 constexpr int64_t kTileWeights = int64_t{4} << 20;
 template <typename T, typename F>
-torch::Tensor tiled_dequant_mm(const torch::Tensor& x, int64_t N, int64_t K, F&& dequant) {
+at::Tensor tiled_dequant_mm(const at::Tensor& x, int64_t N, int64_t K, F&& dequant) {
   const int64_t M = x.size(0);
   const int64_t tile = std::min<int64_t>(N, std::max<int64_t>(16, kTileWeights / K / 16 * 16));
   thread_local std::vector<T> storage;
   storage.resize(std::max<size_t>(storage.size(), tile * K));
   const auto xt = x.to(std::is_same_v<T, float> ? at::kFloat : at::kBFloat16).contiguous();
-  auto buffer = torch::from_blob(storage.data(), {tile, K}, xt.options());
+  auto buffer = at::from_blob(storage.data(), {tile, K}, xt.options());
   auto* bp = storage.data();
-  torch::Tensor y = N == tile ? torch::Tensor() : torch::empty({M, N}, xt.options());
+  at::Tensor y = N == tile ? at::Tensor() : at::empty({M, N}, xt.options());
   for (int64_t n0 = 0; n0 < N; n0 += tile) {
     const int64_t rows = std::min(tile, N - n0);
 #pragma omp parallel
@@ -234,7 +234,7 @@ auto dispatch_tile_type(F&& body) {
 }  // namespace
 
 // y [M, N] = x [M, K] @ (q * scale).T for M <= 8 (decode): scale [N, groups], one group of K per channel.
-torch::Tensor int8_gemv(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale) {
+at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale) {
   const Int8Weight w = int8_weight(q, scale);
   const int8_t* qp = w.q;
   const int64_t N = w.N, K = w.K, G = w.G;
@@ -242,7 +242,7 @@ torch::Tensor int8_gemv(const torch::Tensor& x, const torch::Tensor& q, const to
   const auto& sc = w.scale;
   std::vector<float> x_buffer;
   const float* xp = x_as_fp32(x, x_buffer);
-  auto y = torch::empty({x.size(0), N}, x.options());
+  auto y = at::empty({x.size(0), N}, x.options());
   dispatch_types(sc, y, [&](auto* sp, auto* yp) {
     dispatch_rows(x.size(0), [&](auto rows) {
       parallel_rows(N, K, [&](int64_t n0, int64_t n1) { int8_rows<rows()>(xp, qp, sp, yp, N, K, G, n0, n1); });
@@ -252,7 +252,7 @@ torch::Tensor int8_gemv(const torch::Tensor& x, const torch::Tensor& q, const to
 }
 
 // The same products for any M (prefill chunks, large batches), through dequantized tiles.
-torch::Tensor int8_dequant_mm(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale) {
+at::Tensor int8_dequant_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale) {
   const Int8Weight w = int8_weight(q, scale);
   const int8_t* qp = w.q;
   const int64_t N = w.N, K = w.K, G = w.G;
@@ -267,8 +267,8 @@ torch::Tensor int8_dequant_mm(const torch::Tensor& x, const torch::Tensor& q, co
   });
 }
 
-torch::Tensor int4_dequant_mm(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
-                              const torch::Tensor& offset) {
+at::Tensor int4_dequant_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                              const at::Tensor& offset) {
   const Int4Weight w = int4_weight(packed, scale, offset);
   const uint8_t* pp = w.packed;
   const int64_t N = w.N, K = w.K, G = w.G;
@@ -286,7 +286,7 @@ torch::Tensor int4_dequant_mm(const torch::Tensor& x, const torch::Tensor& packe
 
 // y [M, N] = x [M, K] @ w.T for a bf16 weight [N, K] on CPUs without native bf16 products, where torch's bf16
 // linear is slow at any row count (`python -m bench.lab.avx2_path`): the GEMV for M <= 8, float32 tiles beyond.
-torch::Tensor bf16_mm(const torch::Tensor& x, const torch::Tensor& w) {
+at::Tensor bf16_mm(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kBFloat16 && w.dim() == 2 && w.is_contiguous() &&
                   w.size(1) % 32 == 0, "w must be a contiguous bfloat16 [N, K] CPU tensor, K % 32 == 0");
   const int64_t N = w.size(0), K = w.size(1);
@@ -300,7 +300,7 @@ torch::Tensor bf16_mm(const torch::Tensor& x, const torch::Tensor& w) {
   check_few_rows_x(x, K);
   std::vector<float> x_buffer;
   const float* xp = x_as_fp32(x, x_buffer);
-  auto y = torch::empty({x.size(0), N}, x.options());
+  auto y = at::empty({x.size(0), N}, x.options());
   const auto gemv = [&](auto* yp) {
     dispatch_rows(x.size(0), [&](auto rows) {
       parallel_rows(N, K, [&](int64_t n0, int64_t n1) { int8_rows<rows()>(xp, wp, UnitScale(), yp, N, K, K, n0, n1); });
@@ -317,14 +317,14 @@ std::string tile_dtype() { return kHasAvx512Bf16 ? "bfloat16" : "float32"; }
 
 // Each row of x [M, K] as int8 with its own scale, max |x| / 127 (symmetric, per token): the activations of an
 // int8 x int8 matmul. Returns (q int8 [M, K], scale float32 [M, 1]); x = q * scale within half a step.
-std::vector<torch::Tensor> quantize_rows(const torch::Tensor& x) {
+std::vector<at::Tensor> quantize_rows(const at::Tensor& x) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "x must be a float32 or bfloat16 [M, K] CPU tensor");
   const int64_t M = x.size(0), K = x.size(1);
   std::vector<float> buffer;
   const float* xp = x_as_fp32(x, buffer);
-  auto q = torch::empty({M, K}, x.options().dtype(at::kChar));
-  auto scale = torch::empty({M, 1}, x.options().dtype(at::kFloat));
+  auto q = at::empty({M, K}, x.options().dtype(at::kChar));
+  auto scale = at::empty({M, 1}, x.options().dtype(at::kFloat));
   int8_t* qp = q.data_ptr<int8_t>();
   float* sp = scale.data_ptr<float>();
 #pragma omp parallel for if (M * K >= kMinParallelWeights)
@@ -340,8 +340,8 @@ std::vector<torch::Tensor> quantize_rows(const torch::Tensor& x) {
 }
 
 // quant_avx2_gemv.cpp
-torch::Tensor int4_gemv_a8(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
-                           const torch::Tensor& offset);
+at::Tensor int4_gemv_a8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                           const at::Tensor& offset);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_gemv", &int8_gemv, "y [M, N] = x [M, K] @ (q * scale).T per group, M <= 8, K % 32 == 0");

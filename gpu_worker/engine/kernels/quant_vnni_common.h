@@ -2,7 +2,7 @@
 // run of 32 inputs, each run with its own scale (max |x| / 127), as llama.cpp's q8_0 / q4_0 dot products take it;
 // int4 nibbles put in input order; the checks of their arguments. Internal linkage: each source gets its own copy.
 #pragma once
-#include <torch/extension.h>
+#include "torch_api.h"
 #include <immintrin.h>
 #include <algorithm>
 #include <cstdint>
@@ -59,7 +59,7 @@ QuantizedX quantize_x(const X* xp, int64_t M, int64_t K, int64_t G) {
 }
 
 // x quantized, read as it is (bf16 or fp32): a conversion to fp32 first cost a torch op a call.
-QuantizedX quantize_x(const torch::Tensor& x, int64_t G) {
+QuantizedX quantize_x(const at::Tensor& x, int64_t G) {
   const auto xc = x.contiguous();
   return xc.scalar_type() == at::kBFloat16
              ? quantize_x(xc.data_ptr<at::BFloat16>(), x.size(0), x.size(1), G)
@@ -91,7 +91,7 @@ int64_t chunk_group(int64_t G) {
   return G;
 }
 
-void check_x(const torch::Tensor& x, int64_t K) {
+void check_x(const at::Tensor& x, int64_t K) {
   TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "x must be a float32 or bfloat16 CPU tensor");
   TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(1) == K, "x must be [M, K] with M >= 1 and K = ", K,

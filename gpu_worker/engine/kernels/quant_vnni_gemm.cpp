@@ -17,7 +17,7 @@
 // int4's nibbles are unsigned as they are; their offsets multiply x's group sums. int8 weights are flipped to
 // unsigned (q + 128) and served as int4's form, w = (q + 128) * scale - 128 * scale: a sum started at -128 * the
 // sum of x's run instead (the GEMVs' way) costs more at many rows than the offsets' one FMA per group.
-#include <torch/extension.h>
+#include "torch_api.h"
 #include <immintrin.h>
 #include <algorithm>
 #include <cstdint>
@@ -129,14 +129,14 @@ void block_product(const Block& b, const QuantizedX& x, const std::vector<float>
 // y = x @ W.T: each thread a contiguous range of 16-row blocks, each block transposed by `prepare(block, n0,
 // rows)` once and multiplied by every row of x, 8 at a time (their sums in registers).
 template <typename Prepare>
-torch::Tensor gemm(const torch::Tensor& x, int64_t N, int64_t K, int64_t G, const torch::Tensor& scale,
+at::Tensor gemm(const at::Tensor& x, int64_t N, int64_t K, int64_t G, const at::Tensor& scale,
                    Prepare&& prepare) {
   check_x(x, K);
   TORCH_CHECK(G % 32 == 0, "the group size K / groups = ", G, " must be a multiple of 32");
   const QuantizedX xq = quantize_x(x, G);
   const std::vector<float> run_scale = run_scales(xq);
   const int64_t M = x.size(0), blocks = (N + kLanes - 1) / kLanes;
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
   dispatch_types(scale, y, [&](auto* sp, auto* yp) {
     parallel_rows(blocks, K * M, [&](int64_t b0, int64_t b1) {
       Block b{std::vector<uint32_t>(K / 4 * kLanes), std::vector<float>(K / G * kLanes), std::vector<float>(K / G * kLanes)};
@@ -157,7 +157,7 @@ torch::Tensor gemm(const torch::Tensor& x, int64_t N, int64_t K, int64_t G, cons
 }  // namespace
 
 // y [M, N] = x [M, K] @ (q * scale).T, x quantized per run of 32; scale [N, groups], groups of a multiple of 32.
-torch::Tensor int8_gemm_a8(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale) {
+at::Tensor int8_gemm_a8(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale) {
   const Int8Weight w = int8_weight(q, scale);
   const int64_t K = w.K, groups = K / w.G;
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
@@ -174,8 +174,8 @@ torch::Tensor int8_gemm_a8(const torch::Tensor& x, const torch::Tensor& q, const
 }
 
 // y [M, N] = x [M, K] @ (q * scale + offset).T, q the nibbles of packed, scale/offset [N, K / G].
-torch::Tensor int4_gemm_a8(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
-                           const torch::Tensor& offset) {
+at::Tensor int4_gemm_a8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                           const at::Tensor& offset) {
   const Int4Weight w = int4_weight(packed, scale, offset);
   const int64_t K = w.K, groups = K / w.G;
   return gemm(x, w.N, K, w.G, w.scale, [&](Block& b, auto* sp, int64_t n0, int64_t rows) {

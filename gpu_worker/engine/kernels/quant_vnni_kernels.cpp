@@ -19,7 +19,7 @@
 //   int4: packed uint8 [N, K/2] (input 2i in the low nibble of byte i, 2i + 1 in the high one), scale and
 //         offset [N, K/G]: w = q * scale + offset.
 // G is 32 or a multiple of 64. Scales may be float32 or bfloat16. y is [M, N] in x's dtype (bf16 or fp32).
-#include <torch/extension.h>
+#include "torch_api.h"
 #include <immintrin.h>
 #include <algorithm>
 #include <cmath>
@@ -204,14 +204,14 @@ void rows(const QuantizedX& x, const Chunk& chunk, const S* scale, const S* offs
 }  // namespace
 
 // y [M, N] = x [M, K] @ (q * scale).T, x quantized per run of 32; scale [N, groups].
-torch::Tensor int8_gemv_a8(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale) {
+at::Tensor int8_gemv_a8(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale) {
   const Int8Weight w = int8_weight(q, scale);
   const int64_t N = w.N, K = w.K, G = chunk_group(w.G);
   check_x(x, K);
   const auto& sc = w.scale;
   const QuantizedX xq = quantize_x(x, G);
   const int8_t* qp = w.q;
-  auto y = torch::empty({x.size(0), N}, x.options());
+  auto y = at::empty({x.size(0), N}, x.options());
   dispatch_types(sc, y, [&](auto* sp, auto* yp) {
     parallel_rows(N, K, [&](int64_t n0, int64_t n1) {
       rows(xq, Int8Chunk{qp, K}, sp, static_cast<decltype(sp)>(nullptr), yp, N, G, n0, n1);
@@ -221,15 +221,15 @@ torch::Tensor int8_gemv_a8(const torch::Tensor& x, const torch::Tensor& q, const
 }
 
 // y [M, N] = x [M, K] @ (q * scale + offset).T, q the nibbles of packed, scale/offset [N, K / G].
-torch::Tensor int4_gemv_a8(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
-                           const torch::Tensor& offset) {
+at::Tensor int4_gemv_a8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                           const at::Tensor& offset) {
   const Int4Weight w = int4_weight(packed, scale, offset);
   const int64_t N = w.N, K = w.K, G = chunk_group(w.G);
   check_x(x, K);
   const auto &sc = w.scale, &oc = w.offset;
   const QuantizedX xq = quantize_x(x, G);
   const uint8_t* pp = w.packed;
-  auto y = torch::empty({x.size(0), N}, x.options());
+  auto y = at::empty({x.size(0), N}, x.options());
   dispatch_types(sc, y, [&](auto* sp, auto* yp) {
     const auto* op = static_cast<decltype(sp)>(oc.data_ptr());
     parallel_rows(N, K, [&](int64_t n0, int64_t n1) {
@@ -240,9 +240,9 @@ torch::Tensor int4_gemv_a8(const torch::Tensor& x, const torch::Tensor& packed, 
 }
 
 // quant_vnni_gemm.cpp: the same products for many rows, where the CPU has no AMX.
-torch::Tensor int8_gemm_a8(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale);
-torch::Tensor int4_gemm_a8(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
-                           const torch::Tensor& offset);
+at::Tensor int8_gemm_a8(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale);
+at::Tensor int4_gemm_a8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                           const at::Tensor& offset);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_gemv_a8", &int8_gemv_a8, "y [M, N] = x [M, K] @ (q * scale).T, x as int8 per 32 inputs");
