@@ -10,14 +10,20 @@ writes them: each layer's experts stacked into one [experts, rows, cols] tensor 
 (`ffn_{gate,up,down}_exps`), the router as `ffn_gate_inp`. Gemma's RMSNorm weights are stored + 1 (Gemma 2's LM head
 always tied, Gemma 3's embedding trimmed to the tokenizer's vocabulary), with the converters' keys (soft-capping,
 sliding window; Gemma 3's rotary per layer kind); Phi-3's fused q/k/v and gate/up as they are, its LongRoPE as
-`rope_factors_{long,short}` and `rope.scaling.*` keys, partial rotary as `rope.dimension_count`. 1-D tensors (norms,
-biases, rope_freqs) and routers stay F32 (llama.cpp never quantizes a router); every other weight is stored in
-`tensor_type`.
+`rope_factors_{long,short}` and `rope.scaling.*` keys, partial rotary as `rope.dimension_count`. OLMoE as `olmoe`
+(q/k norms as they are, the norm epsilon written as 1e-5 as OlmoeModel does); gpt-oss as `gpt-oss` (GptOssModel:
+sinks as `attn_sinks.weight`, HF's stacked experts transposed to [experts, out, in] and gate/up de-interleaved into
+`ffn_gate_exps` / `ffn_up_exps`, their biases likewise; the window and expert width as keys; YaRN's keys). 1-D
+tensors (norms, rope_freqs), biases and routers stay F32 (llama.cpp never quantizes a router); every other weight
+is stored in `tensor_type`, except that MXFP4 (how the converter repacks gpt-oss's released experts) stores only
+the experts so and the rest in F32.
 
 Like the converter, this refuses what a file cannot say: a Qwen3-MoE model with dense layers (`mlp_only_layers`,
 `decoder_sparse_step`: qwen3moe files have no dense MLP tensors) or whose top k is not renormalised (llama.cpp's
 qwen3moe graph always renormalises it, and the converter writes no key for it); a Gemma whose query_pre_attn_scalar
-or sliding layers are not the ones llama.cpp derives (`_check_gemma`).
+or sliding layers are not the ones llama.cpp derives (`_check_gemma`); an OLMoE that clips q/k/v, renormalises its
+top k or has another norm epsilon, or a gpt-oss whose SwiGLU, sliding layers or YaRN rounding are not llama.cpp's
+fixed ones (`_check_olmoe`, `_check_gpt_oss`).
 
 gguf-py has no quantizer for the K-quants (Q4_K, Q6_K). For those the weights are random but valid blocks
 (seeded by tensor name, scaled to roughly the weight's std), so the file's values are NOT the checkpoint's:
@@ -47,7 +53,8 @@ GGMLType = gguf.GGMLQuantizationType
 ARCHITECTURES = {"LlamaForCausalLM": gguf.MODEL_ARCH.LLAMA, "Qwen2ForCausalLM": gguf.MODEL_ARCH.QWEN2,
                  "Qwen3ForCausalLM": gguf.MODEL_ARCH.QWEN3, "Qwen3MoeForCausalLM": gguf.MODEL_ARCH.QWEN3MOE,
                  "MixtralForCausalLM": gguf.MODEL_ARCH.LLAMA, "Gemma2ForCausalLM": gguf.MODEL_ARCH.GEMMA2,
-                 "Gemma3ForCausalLM": gguf.MODEL_ARCH.GEMMA3, "Phi3ForCausalLM": gguf.MODEL_ARCH.PHI3}
+                 "Gemma3ForCausalLM": gguf.MODEL_ARCH.GEMMA3, "Phi3ForCausalLM": gguf.MODEL_ARCH.PHI3,
+                 "OlmoeForCausalLM": gguf.MODEL_ARCH.OLMOE, "GptOssForCausalLM": gguf.MODEL_ARCH.GPT_OSS}
 _GEMMA = (gguf.MODEL_ARCH.GEMMA2, gguf.MODEL_ARCH.GEMMA3)
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")  # an expert's tensor: model.layers.N.mlp.experts.E.gate_proj.weight
 _ROUTER = re.compile(re.escape(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.FFN_GATE_INP]).replace(r"\{bid\}", r"\d+")
@@ -62,6 +69,7 @@ def write_gguf(model_dir: Path, out: Path, tensor_type: GGMLType) -> Path:
         _check_qwen3moe(config)
     if arch in _GEMMA:
         _check_gemma(config, arch)
+    _CHECKS.get(arch, lambda _: None)(config)
     writer = gguf.GGUFWriter(out, gguf.MODEL_ARCH_NAMES[arch])
     _add_hyperparameters(writer, config, arch, hparams)
     if arch not in (gguf.MODEL_ARCH.GEMMA2, gguf.MODEL_ARCH.PHI3):  # their converters write no rope.scaling.*
@@ -85,7 +93,7 @@ def _add_hyperparameters(writer: gguf.GGUFWriter, config, arch: gguf.MODEL_ARCH,
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_layer_norm_rms_eps(1e-5 if arch == gguf.MODEL_ARCH.OLMOE else config.rms_norm_eps)
     if arch != gguf.MODEL_ARCH.GEMMA2:  # Gemma2Model.set_gguf_parameters writes none (`_check_gemma`)
         writer.add_rope_freq_base(_full_rope(config)["rope_theta"])
     if arch == gguf.MODEL_ARCH.LLAMA:
@@ -100,6 +108,11 @@ def _add_hyperparameters(writer: gguf.GGUFWriter, config, arch: gguf.MODEL_ARCH,
         writer.add_expert_used_count(config.num_experts_per_tok)
     if (width := hparams.get("moe_intermediate_size")) is not None:  # Qwen2MoeModel's (Mixtral's is the FFN's)
         writer.add_expert_feed_forward_length(width)
+    _add_family_keys(writer, config, arch, hparams)
+
+
+def _add_family_keys(writer: gguf.GGUFWriter, config, arch: gguf.MODEL_ARCH, hparams: dict) -> None:
+    """The keys each family's converter class adds to TextModel's."""
     if arch == gguf.MODEL_ARCH.GEMMA2:
         writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
         writer.add_final_logit_softcapping(config.final_logit_softcapping)
@@ -110,6 +123,9 @@ def _add_hyperparameters(writer: gguf.GGUFWriter, config, arch: gguf.MODEL_ARCH,
         if config.final_logit_softcapping:
             writer.add_final_logit_softcapping(config.final_logit_softcapping)
         writer.add_sliding_window(config.sliding_window)
+    elif arch == gguf.MODEL_ARCH.GPT_OSS:
+        writer.add_sliding_window(config.sliding_window)
+        writer.add_expert_feed_forward_length(config.intermediate_size)
     elif arch == gguf.MODEL_ARCH.PHI3:  # Phi3MiniModel: rotary dims from hidden / heads, window 0 for none
         writer.add_rope_dimension_count(int(_phi3_rope_parameters(config, hparams).get("partial_rotary_factor", 1.0)
                                             * config.hidden_size) // config.num_attention_heads)
@@ -140,6 +156,28 @@ def _check_gemma(config, arch: gguf.MODEL_ARCH) -> None:
     if sliding_rope.get("rope_type", "default") != "default" or (
             arch == gguf.MODEL_ARCH.GEMMA2 and config.rope_parameters["rope_theta"] != 10000.0):
         raise ValueError(f"rope parameters {config.rope_parameters} have no {arch.name.lower()} file")
+
+
+def _check_olmoe(config) -> None:
+    """OlmoeModel writes no clip_qkv (nor does llama.cpp's olmoe graph clip), an epsilon of 1e-5, and no key for
+    norm_topk_prob (llama.cpp's olmoe graph never renormalises)."""
+    if config.clip_qkv is not None or config.norm_topk_prob or config.rms_norm_eps != 1e-5:
+        raise ValueError(f"an olmoe file has no clip_qkv ({config.clip_qkv}), no renormalised top k "
+                         f"({config.norm_topk_prob}) and epsilon 1e-5 ({config.rms_norm_eps})")
+
+
+def _check_gpt_oss(config) -> None:
+    """llama.cpp's gpt-oss: SwiGLU alpha 1.702 and limit 7 (constants), layers sliding in period 2 from the first,
+    YaRN unrounded (the loader's reading: no key says)."""
+    pattern = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(config.num_hidden_layers)]
+    if (config.swiglu_limit, getattr(config, "swiglu_alpha", 1.702)) != (7.0, 1.702) or config.layer_types != pattern:
+        raise ValueError(f"llama.cpp's gpt-oss has SwiGLU limit 7, alpha 1.702 and layers {pattern}, not "
+                         f"{config.swiglu_limit}, {getattr(config, 'swiglu_alpha', None)}, {config.layer_types}")
+    if config.rope_parameters.get("truncate", True) and config.rope_parameters.get("rope_type") == "yarn":
+        raise ValueError("a gpt-oss file's YaRN is read unrounded (truncate false)")
+
+
+_CHECKS = {gguf.MODEL_ARCH.OLMOE: _check_olmoe, gguf.MODEL_ARCH.GPT_OSS: _check_gpt_oss}
 
 
 def _phi3_rope_parameters(config, hparams: dict) -> dict:
@@ -186,7 +224,8 @@ def _add_rope_scaling(writer: gguf.GGUFWriter, rope: dict, arch: gguf.MODEL_ARCH
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(rope["factor"])
     elif kind == "yarn":
-        if rope.keys() & {"truncate", "mscale", "mscale_all_dim"}:
+        # gpt-oss's truncate false is the loader's reading of a gpt-oss file (`_check_gpt_oss`)
+        if rope.keys() & {"mscale", "mscale_all_dim"} or ("truncate" in rope and arch != gguf.MODEL_ARCH.GPT_OSS):
             raise ValueError(f"rope parameters {rope} have keys the converter does not write")
         writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         writer.add_rope_scaling_factor(rope["factor"])
@@ -257,21 +296,45 @@ def _tensors(model_dir: Path, config, arch: gguf.MODEL_ARCH, tensor_type: GGMLTy
             array = weight.to(torch.float32).numpy()
             if arch in _GEMMA:
                 array = _gemma_tensor(hf_name, array, model_dir, arch)
+            if arch == gguf.MODEL_ARCH.GPT_OSS:
+                yield from (_named(names, *pair, tensor_type) for pair in _gpt_oss_tensors(hf_name, array))
+                continue
             if (expert := _EXPERT.search(hf_name)) is not None:
                 hf_name = _EXPERT.sub(".experts.", hf_name)  # gguf-py's name for the merged tensor
                 experts.setdefault(hf_name, {})[int(expert.group(1))] = array
                 if len(experts[hf_name]) < _num_experts(config):
                     continue
                 array = np.stack([m for _, m in sorted(experts.pop(hf_name).items())])
-            name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
-            if name is None:  # as the converter's map_tensor_name, e.g. a dense MLP in a qwen3moe model
-                raise ValueError(f"{hf_name} has no tensor in a {gguf.MODEL_ARCH_NAMES[arch]} GGUF file")
             if arch == gguf.MODEL_ARCH.LLAMA:
                 array = _permute_for_ggml_rope(hf_name, array, config)
-            if _ROUTER.fullmatch(name):
-                yield name, array, GGMLType.F32
-            else:
-                yield name, *_encode(name, array, tensor_type)
+            yield _named(names, hf_name, array, tensor_type)
+
+
+def _named(names: gguf.TensorNameMap, hf_name: str, array: np.ndarray, tensor_type: GGMLType) -> tuple:
+    name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+    if name is None:  # as the converter's map_tensor_name, e.g. a dense MLP in a qwen3moe model
+        raise ValueError(f"{hf_name} has no tensor in this GGUF architecture")
+    if _ROUTER.fullmatch(name):
+        return name, array, GGMLType.F32
+    return name, *_encode(name, array, tensor_type)
+
+
+def _gpt_oss_tensors(hf_name: str, array: np.ndarray) -> Iterator[tuple[str, np.ndarray]]:
+    """GptOssModel.modify_tensors for a float checkpoint: `sinks` + `.weight`; the stacked experts ([E, in, out] in
+    HF) as [E, out, in], gate_up's alternating gate and up rows (and bias entries) apart."""
+    stem, leaf = hf_name.rsplit(".", 1)
+    if leaf == "sinks":
+        yield f"{hf_name}.weight", array
+    elif leaf in ("down_proj", "down_proj_bias") and stem.endswith(".experts"):
+        yield f"{stem}.down_proj.{'bias' if leaf.endswith('_bias') else 'weight'}", (
+            array if leaf.endswith("_bias") else array.swapaxes(-1, -2))
+    elif leaf in ("gate_up_proj", "gate_up_proj_bias"):
+        kind = "bias" if leaf.endswith("_bias") else "weight"
+        rows = array[..., None] if kind == "bias" else array.swapaxes(-1, -2)  # [E, 2I, in]: gate, up, gate, ...
+        for proj, part in (("gate_proj", rows[:, 0::2]), ("up_proj", rows[:, 1::2])):
+            yield f"{stem}.{proj}.{kind}", np.ascontiguousarray(part[..., 0] if kind == "bias" else part)
+    else:
+        yield hf_name, array
 
 
 def _gemma_tensor(hf_name: str, array: np.ndarray, model_dir: Path, arch: gguf.MODEL_ARCH) -> np.ndarray:
@@ -299,8 +362,8 @@ def _permute_for_ggml_rope(hf_name: str, array: np.ndarray, config) -> np.ndarra
 
 
 def _encode(name: str, array: np.ndarray, tensor_type: GGMLType) -> tuple[np.ndarray, GGMLType]:
-    if array.ndim == 1:
-        return array, GGMLType.F32
+    if array.ndim == 1 or not name.endswith(".weight") or (tensor_type == GGMLType.MXFP4 and "_exps." not in name):
+        return np.ascontiguousarray(array), GGMLType.F32
     fits = array.shape[-1] % gguf.GGML_QUANT_SIZES[tensor_type][0] == 0
     stored_as = tensor_type if fits else GGMLType.Q8_0
     try:

@@ -1,9 +1,10 @@
 """A llama.cpp GGUF file as a checkpoint: hyper-parameters from its metadata, weights renamed to HF's names and
-layout (Q8_0 / Q4_0 / Q4_1 matrices as our int8 / int4 weights, others dequantized to float32; the loader casts
-them to the serving dtype), the tokenizer from its metadata.
+layout (Q8_0 / Q4_0 / Q4_1 matrices as our int8 / int4 weights, others, MXFP4 included, dequantized to float32;
+the loader casts them to the serving dtype), the tokenizer from its metadata.
 
 Served: `general.architecture` llama (Llama, Mistral and SmolLM files use it, and Mixtral's, with experts), qwen2,
-qwen3, qwen3moe, gemma2, gemma3 and phi3 (`families.py`: what each needs beyond the llama family); with plain RoPE,
+qwen3, qwen3moe, gemma2, gemma3, phi3, olmoe and gpt-oss (`families.py`: what each needs beyond the llama family);
+biases where the file has them (q/k/v, o, a router's, experts'); with plain RoPE,
 linear or YaRN scaling (`rope.scaling.*`), Llama 3's as per-frequency factors (`rope_freqs`), or Phi-3's LongRoPE.
 A mixture's experts are stored stacked, one [experts, rows, cols] tensor per projection per layer
 (`ffn_{gate,up,down}_exps`): they arrive one expert at a time under HF's per-expert names, quantized ones still
@@ -27,7 +28,7 @@ from services.text.tokenizer_files import gguf_file_tokenizer
 from ..model_config import ModelConfig, MoEConfig
 from ..quantization.weights import QuantizedWeight
 from .dequantize import dequantize, dequantize_experts
-from .families import FAMILIES, NOT_WEIGHTS, ROPE_FREQS, tensor_name
+from .families import BARE_PARAMETERS, FAMILIES, NOT_WEIGHTS, ROPE_FREQS, tensor_name
 from .quantized import native_experts, native_weight
 
 _T = gguf.MODEL_TENSOR
@@ -109,6 +110,7 @@ class GgufCheckpoint:
             max_position_embeddings=self.hparam("context_length"),
             tie_word_embeddings="output.weight" not in names,
             qkv_bias=bool(names & {"blk.0.attn_q.bias", "blk.0.attn_qkv.bias"}),
+            o_proj_bias="blk.0.attn_output.bias" in names,
             qk_norm="blk.0.attn_q_norm.weight" in names,
             sliding_window=None if window is None else int(window),
             moe=moe,
@@ -195,6 +197,8 @@ def hf_name(gguf_name: str, layer_names: dict[str, str]) -> str:
     if match is None or match.group(2) not in layer_names:
         raise ModelLoadError(f"GGUF tensor {gguf_name!r} has no place in this architecture's model")
     layer, part, kind = match.groups()
+    if layer_names[part] in BARE_PARAMETERS and kind == "weight":
+        return f"model.layers.{layer}.{layer_names[part]}"
     return f"model.layers.{layer}.{layer_names[part]}.{kind}"
 
 

@@ -12,13 +12,33 @@ the `ModelConfig` fields beyond the llama family's.
 - phi3 (Phi-3, 3.5, 4, 4-mini): q/k/v fused in `attn_qkv`, gate and up stacked in `ffn_up`, both as HF's Phi3
   stores them; LongRoPE as the `rope_factors_long` / `rope_factors_short` tensors and `rope.scaling.*` keys;
   partial rotary as `rope.dimension_count` below the head size.
+- olmoe (OLMoE): the llama family's tensors with q/k rows in HF's order (llama.cpp rotates NeoX-style), q's and k's
+  RMSNorms over the whole projection (`attn_q_norm` [hidden], `attn_k_norm` [kv heads * head_dim]: HF's OLMoE norms
+  all heads at once); every layer a mixture, softmax routing, the top k NOT renormalised (llama.cpp's olmoe graph
+  passes norm_w = false; an `expert_weights_norm` key, which the converter does not write, is followed), experts
+  `feed_forward_length` wide. The converter writes `layer_norm_rms_epsilon` as 1e-5 whatever the config says (every
+  OLMoE's value) and no clip_qkv, and llama.cpp's olmoe graph clips nothing: a file is served unclipped, and one
+  carrying `attention.clamp_kqv` (which llama.cpp would ignore, and which does not say whether it clips before or
+  after the norms) is refused by name.
+- gpt-oss (GptOssForCausalLM; llama.cpp's LLM_ARCH_OPENAI_MOE): q/k/v/o biased, rows in HF's order; each head's
+  attention sink as `attn_sinks.weight` (HF's `self_attn.sinks`, no `.weight`); `post_attention_norm` is HF's
+  post_attention_layernorm (the MLP's input norm). The router is biased (`ffn_gate_inp.bias`, float32); softmax over
+  the top k of its logits (LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX_WEIGHT); experts biased (`ffn_{gate,up,down}_exps
+  .bias`), `expert_feed_forward_length` wide, gate and up split apart by the converter (HF interleaves them: gate
+  rows 0::2, up 1::2). The clamped SwiGLU's alpha 1.702 and limit 7.0 are llama.cpp constants (no key carries
+  them): every file is served with them. Sliding layers from `attention.sliding_window`, in llama.cpp's pattern
+  (period 2: even layers slide) unless `attention.sliding_window_pattern` says otherwise; their rotary is the full
+  layers' unless `rope.freq_base_swa` gives another base. YaRN from the `rope.scaling.*` keys, unrounded
+  (`truncate` false: every released gpt-oss config and OpenAI's reference; llama.cpp rounds its correction range,
+  a small departure we do not copy). Expert matrices in any type we decode, MXFP4 (how the converter repacks the
+  released checkpoints) included; attention scores scaled by head_dim ** -0.5.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -26,6 +46,7 @@ import gguf
 
 from services.text.errors import ModelLoadError
 
+from ..model_config import MoEConfig
 from .dequantize import dequantize
 
 
@@ -39,6 +60,7 @@ class GgufCheckpoint(Protocol):
 
 
 _ARCH, _T = gguf.MODEL_ARCH_NAMES, gguf.MODEL_TENSOR
+_OLMOE, _GPT_OSS = _ARCH[gguf.MODEL_ARCH.OLMOE], _ARCH[gguf.MODEL_ARCH.GPT_OSS]
 
 
 def tensor_name(tensor: gguf.MODEL_TENSOR) -> str:
@@ -66,6 +88,14 @@ _GEMMA3_LAYER = {**_GEMMA2_LAYER, **_names(*_QK_NORMS)}
 _PHI3_LAYER = _names(*_ATTENTION, (_T.ATTN_QKV, "self_attn.qkv_proj"), (_T.ATTN_NORM, "input_layernorm"),
                      (_T.FFN_NORM, "post_attention_layernorm"), (_T.FFN_UP, "mlp.gate_up_proj"),
                      (_T.FFN_DOWN, "mlp.down_proj"))
+# gpt-oss: llama.cpp's post_attention_norm is its MLP's input norm (HF's post_attention_layernorm), and its sinks
+# one logit per head.
+_GPT_OSS_LAYER = _names(*_ATTENTION, (_T.ATTN_NORM, "input_layernorm"), (_T.ATTN_POST_NORM, "post_attention_layernorm"),
+                        (_T.ATTN_SINKS, "self_attn.sinks"), (_T.FFN_GATE_INP, "mlp.gate"))
+# HF parameters named without `.weight`: the file's `<name>.weight` is HF's `<name>`.
+BARE_PARAMETERS = frozenset({"self_attn.sinks"})
+# llama.cpp's gpt-oss SwiGLU (llama-graph.cpp, LLM_FFN_SWIGLU_OAI_MOE): constants, in no file.
+GPT_OSS_SWIGLU_ALPHA, GPT_OSS_SWIGLU_LIMIT = 1.702, 7.0
 # Tensors that are not weights: rotary scaling, read into the config.
 ROPE_FREQS, ROPE_LONG, ROPE_SHORT = (f"{tensor_name(t)}.weight" for t in (
     _T.ROPE_FREQS, _T.ROPE_FACTORS_LONG, _T.ROPE_FACTORS_SHORT))
@@ -135,6 +165,41 @@ def _phi3(ck: GgufCheckpoint, base: dict) -> dict:
     return dict(sliding_window=int(ck.hparam("attention.sliding_window", 0)) or None)
 
 
+def _mixture(ck: GgufCheckpoint, base: dict, arch: str) -> MoEConfig:
+    """Every layer of these architectures is a mixture: a file without experts is no such model."""
+    if base["moe"] is None:
+        raise ModelLoadError(f"GGUF file {ck.path} is {arch} but has no {arch}.expert_count")
+    return base["moe"]
+
+
+def _olmoe(ck: GgufCheckpoint, base: dict) -> dict:
+    """q/k norms whole; no clipping (refused where a file asks for it); the top k as the router's softmax gave it."""
+    if gguf.Keys.Attention.CLAMP_KQV.format(arch=_OLMOE) in ck.reader.fields:
+        raise ModelLoadError(f"GGUF olmoe file {ck.path} sets attention.clamp_kqv, which llama.cpp's olmoe graph "
+                             "ignores and no converter writes; tokenfleet does not guess where OLMoE clips")
+    moe = _mixture(ck, base, _OLMOE)
+    return dict(qk_norm_whole=True, clip_qkv=None,
+                moe=replace(moe, renormalize=bool(ck.hparam("expert_weights_norm", False))))
+
+
+def _gpt_oss(ck: GgufCheckpoint, base: dict) -> dict:
+    """Sinks, the biased router and experts with llama.cpp's clamped SwiGLU, the sliding pattern and unrounded
+    YaRN (the module's docstring)."""
+    moe = _mixture(ck, base, _GPT_OSS)
+    names = {t.name for t in ck.reader.tensors}
+    swa_base = ck.hparam("rope.freq_base_swa", base["rope_theta"])
+    rope = base["rope_scaling"]
+    if rope.get("rope_type") == "yarn":
+        rope = {**rope, "truncate": False}
+    return dict(attention_sinks=True, rope_scaling=rope,
+                sliding_window=int(ck.hparam("attention.sliding_window")),
+                full_attention_layers=_full_attention_layers(ck, base["num_layers"], 2),
+                sliding_rope=None if swa_base == base["rope_theta"] else (float(swa_base), rope),
+                moe=replace(moe, renormalize=False, softmax_over_top_k=True,
+                            router_bias="blk.0.ffn_gate_inp.bias" in names,
+                            clamped_swiglu=(GPT_OSS_SWIGLU_ALPHA, GPT_OSS_SWIGLU_LIMIT)))
+
+
 def phi3_rope(ck: GgufCheckpoint) -> dict:
     """LongRoPE as `rope.py` takes it: the converter's factor tensors (HF's short_factor / long_factor),
     `rope.scaling.original_context_length`, and HF's attention factor as `rope.scaling.attn_factor`; `factor` is
@@ -172,4 +237,6 @@ FAMILIES = {
     _ARCH[gguf.MODEL_ARCH.GEMMA2]: Family("Gemma2ForCausalLM", _GEMMA2_LAYER, norm_plus_one=True, fields=_gemma2),
     _ARCH[gguf.MODEL_ARCH.GEMMA3]: Family("Gemma3ForCausalLM", _GEMMA3_LAYER, norm_plus_one=True, fields=_gemma3),
     _ARCH[gguf.MODEL_ARCH.PHI3]: Family("Phi3ForCausalLM", _PHI3_LAYER, rope=phi3_rope, fields=_phi3),
+    _OLMOE: Family("OlmoeForCausalLM", _LLAMA_LAYER, fields=_olmoe),
+    _GPT_OSS: Family("GptOssForCausalLM", _GPT_OSS_LAYER, fields=_gpt_oss),
 }

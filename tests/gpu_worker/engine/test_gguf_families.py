@@ -1,8 +1,10 @@
-"""GGUF files of the Gemma 2, Gemma 3 and Phi-3 families, written as llama.cpp's converter writes them (Gemma's
-RMSNorm weights + 1, Phi-3's fused projections and LongRoPE tensors, no query_pre_attn_scalar or layer pattern
-for Gemma), serve what HF transformers serves from the same model's directory (float32 greedy), with the
-directory's config and rotary frequencies; Gemma's attention scale and sliding layers are llama.cpp's; a phi3 file
-with half its LongRoPE factors is refused by name."""
+"""GGUF files of the Gemma 2, Gemma 3, Phi-3, OLMoE and gpt-oss families, written as llama.cpp's converter writes
+them (Gemma's RMSNorm weights + 1, Phi-3's fused projections and LongRoPE tensors, no query_pre_attn_scalar or layer
+pattern for Gemma; OLMoE's whole-projection q/k norms; gpt-oss's sinks, biases and de-interleaved experts), serve
+what HF transformers serves from the same model's directory (float32 greedy), with the directory's config and
+rotary frequencies; Gemma's attention scale and sliding layers are llama.cpp's; Q8_0 mixtures and gpt-oss's MXFP4
+experts load and generate; what a file cannot say is refused by name (a phi3 file with half its LongRoPE factors,
+an olmoe file asking to clip, models whose clipping or SwiGLU llama.cpp fixes otherwise)."""
 
 from __future__ import annotations
 
@@ -49,6 +51,9 @@ FAMILIES = {
     "gemma3": {"query_pre_attn_scalar": 32, "num_hidden_layers": 6, "layer_types": None},
     "phi3": {"rope_parameters": _longrope(64)},
     "phi4-mini": {"rope_parameters": _longrope(48)},
+    # llama.cpp's: OLMoE unclipped; gpt-oss's SwiGLU limit 7 (with hidden 256 its gate and up still cross it)
+    "olmoe": {"clip_qkv": None},
+    "gpt-oss": {"swiglu_limit": 7.0},
 }
 
 
@@ -56,13 +61,15 @@ def varied(model_dir, out):
     """A copy of `model_dir` with random RMSNorm weights (Gemma's start at 0, Phi-3's at 1: the +1 the converter adds
     to Gemma's gets values to change) and, for Gemma, an embedding table 1/16 as large: scaled by √hidden = 16 it
     enters at the other weights' scale, where as it is it outweighs every layer and the tied LM head repeats the last
-    token whatever the layers do."""
+    token whatever the layers do. gpt-oss's sinks a few units, as conftest's `_loud_sinks` makes them."""
     shutil.copytree(model_dir, out)
     tensors = load_file(out / "model.safetensors")
     generator = torch.Generator().manual_seed(0)
     for name, tensor in tensors.items():
         if name.endswith("norm.weight"):
             tensors[name] = tensor + 0.2 * torch.randn(tensor.shape, generator=generator)
+        elif name.endswith("self_attn.sinks"):  # conftest's loud sinks: a few units, where a mistake shows
+            tensors[name] = torch.rand(tensor.shape, generator=generator) * 5.0 - 1.0
     if "gemma" in out.name:
         tensors["model.embed_tokens.weight"] /= 16
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
@@ -129,3 +136,58 @@ def test_a_phi3_file_with_half_its_longrope_factors_names_the_other(tmp_path):
     writer.close()
     with pytest.raises(ModelLoadError, match="rope_factors_short"):
         open_checkpoint(tmp_path / "phi3.gguf")
+
+
+# ---- OLMoE and gpt-oss ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["olmoe", "gpt-oss"])
+def test_a_q8_0_mixture_file_loads_with_its_experts_quantized_and_generates(small_checkpoint, tmp_path, arch):
+    from gpu_worker.engine import LLM, SamplingParams
+    from gpu_worker.engine.quantization.weights import QuantizedWeight
+    from tests.conftest import DEVICE
+
+    path = write_gguf(small_checkpoint(arch, **FAMILIES[arch]), tmp_path / "model.gguf", T.Q8_0)
+    experts = [w for name, w in open_checkpoint(path).tensors() if ".experts." in name and name.endswith("weight")]
+    assert len(experts) == 2 * 4 * 3 and all(isinstance(w, QuantizedWeight) for w in experts)
+    llm = LLM(str(path), device=DEVICE, kv_cache_memory_bytes=64 << 20, max_model_len=1024)
+    out = llm.generate(PROMPTS[:2], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    assert [len(o.token_ids) for o in out] == [8, 8]
+
+
+def test_gpt_oss_mxfp4_experts_arrive_with_ggmls_values_and_generate(small_checkpoint, tmp_path):
+    """MXFP4 is how the converter stores the released checkpoints' experts (repacked, not requantized)."""
+    path = write_gguf(small_checkpoint("gpt-oss", **FAMILIES["gpt-oss"]), tmp_path / "model.gguf", T.MXFP4)
+    weights = dict(open_checkpoint(path).tensors())
+    stacked = [t for t in gguf.GGUFReader(path).tensors if t.tensor_type == T.MXFP4]
+    assert sorted({t.name.split(".")[2] for t in stacked}) == ["ffn_down_exps", "ffn_gate_exps", "ffn_up_exps"]
+    for tensor in stacked:
+        layer, part = tensor.name.split(".")[1:3]
+        reference = torch.from_numpy(gguf.quants.dequantize(tensor.data, tensor.tensor_type).copy())
+        for expert, values in enumerate(reference):
+            served = weights[f"model.layers.{layer}.mlp.experts.{expert}.{part[4:-5]}_proj.weight"]
+            assert torch.equal(served, values), (tensor.name, expert)
+    assert len(ours_greedy(str(path), PROMPTS[:1], 8)[0]) == 8
+
+
+def test_an_olmoe_file_that_asks_to_clip_qkv_is_refused_by_name(tmp_path):
+    path = hyperparameters_file(tmp_path / "olmoe.gguf", "olmoe", expert_count=4, expert_used_count=2,
+                                clamp_kqv=8.0)
+    with pytest.raises(ModelLoadError, match="clamp_kqv"):
+        open_checkpoint(path)
+
+
+def test_gpt_oss_files_sliding_layers_window_and_swiglu_are_llama_cpps(tmp_path):
+    path = hyperparameters_file(tmp_path / "gpt-oss.gguf", "gpt-oss", block_count=4, expert_count=4,
+                                expert_used_count=2, expert_feed_forward_length=16, sliding_window=128)
+    config = open_checkpoint(path).config
+    assert config.sliding_window == 128 and config.full_attention_layers == {1, 3} and config.attention_sinks
+    assert config.moe.clamped_swiglu == (1.702, 7.0) and config.moe.softmax_over_top_k
+    assert config.moe.expert_intermediate_size == 16
+
+
+@pytest.mark.parametrize(("arch", "field"), [("olmoe", "clip_qkv"), ("gpt-oss", "SwiGLU limit")])
+def test_a_model_whose_clipping_llama_cpp_fixes_otherwise_has_no_gguf_file(small_checkpoint, tmp_path, arch, field):
+    """conftest's OLMoE clips q/k/v at 2 and its gpt-oss clamps the SwiGLU at 2: no file says either."""
+    with pytest.raises(ValueError, match=field):
+        write_gguf(small_checkpoint(arch), tmp_path / "model.gguf", T.F32)
