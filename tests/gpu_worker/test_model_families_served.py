@@ -11,7 +11,7 @@ MESSAGES = [{"role": "user", "content": "Name three colours."}]
 NEW_TOKENS = 12
 # Qwen3 and Mixtral serve through the paths Qwen3-MoE does (per-head q/k norms, experts); their exactness is
 # test_matches_hf.py's.
-FAMILIES = ["qwen3-moe", "phi3", "gemma2", "gemma3", "mistral-sliding"]
+FAMILIES = ["qwen3-moe", "phi3", "gemma2", "gemma3", "mistral-sliding", "olmoe", "gpt-oss"]
 
 
 def test_a_worker_serves_each_family_and_answers_as_hf_generates(stack, make_checkpoint):

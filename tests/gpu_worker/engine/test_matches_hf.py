@@ -81,12 +81,14 @@ def test_greedy_equals_hf_on_a_quarter_of_the_workload(make_checkpoint, workload
     assert got == hf_greedy(model_dir, prompts, max_new)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3-moe", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3-moe", "gemma3", "olmoe", "gpt-oss"])
 def test_bfloat16_top1_within_hf_top5_until_divergence(make_checkpoint, workload, arch):
     """vLLM's check_logprobs_close rule: until the first divergence, ours is in HF's top 5."""
     from transformers import AutoModelForCausalLM
 
-    model_dir = make_checkpoint(arch, dtype=torch.bfloat16, head_dim=32)  # 32: the CPU kernels serve it
+    # heads of 32: the CPU kernels serve them (OLMoE's q/k norms take hidden / heads as the head size: a wider hidden)
+    heads_of_32 = {"hidden_size": 128} if arch == "olmoe" else {"head_dim": 32}
+    model_dir = make_checkpoint(arch, dtype=torch.bfloat16, **heads_of_32)
     prompts, max_new = workload
     prompts, max_new = prompts[:8], max_new[:8]
     ours = LLM(str(model_dir), dtype="bfloat16", device=DEVICE, kv_cache_memory_bytes=KV_BYTES).generate(
