@@ -152,9 +152,9 @@ def _attention(kv_format: KVCacheFormat, dense: type, scaled: type) -> type:
 
 
 def _over_cache(kv_format: KVCacheFormat, cls: type, heads: HeadLayout) -> TorchPagedAttention:
-    """`cls` over the cache; soft-capped heads (Gemma 2) and heads with sinks (gpt-oss), which no kernel takes, by
-    the reference."""
-    if heads.softcap is not None or heads.sinks:
+    """`cls` over the cache; soft-capped heads (Gemma 2), which no kernel takes, by the reference (the Triton
+    kernels take sinks)."""
+    if heads.softcap is not None:
         cls = _attention(kv_format, TorchPagedAttention, ScaledPagedAttention)
     return cls(heads, kv_format.quantize) if isinstance(kv_format, ScaledKVFormat) else cls(heads)
 

@@ -28,8 +28,8 @@ class TritonPagedAttention(TorchPagedAttention):
         self.triton_ops.rotary_and_write_kv_(qkv, cos, sin, h.num_heads, h.num_kv_heads, h.head_dim, kv_cache,
                                              meta.slot_blocks, meta.slot_offsets)
         q = qkv[:, : h.num_heads * h.head_dim].view(-1, h.num_heads, h.head_dim)
-        return triton_attend(q, (kv_cache[0], kv_cache[1], None, None), meta, self.scale,
-                             self.heads.window).view(qkv.shape[0], -1)
+        return triton_attend(q, (kv_cache[0], kv_cache[1], None, None), meta, self.scale, self.heads.window,
+                             self.sinks).view(qkv.shape[0], -1)
 
 
 class TritonScaledPagedAttention(ScaledPagedAttention):
@@ -43,22 +43,23 @@ class TritonScaledPagedAttention(ScaledPagedAttention):
 
     def attend(self, q, k, v, kv_cache: ScaledKVCache, meta: AttentionMetadata) -> torch.Tensor:
         planes = (kv_cache.data[0], kv_cache.data[1], kv_cache.scale[0], kv_cache.scale[1])
-        return triton_attend(q, planes, meta, self.scale, self.heads.window)
+        return triton_attend(q, planes, meta, self.scale, self.heads.window, self.sinks)
 
 
 def triton_attend(q: torch.Tensor, planes: tuple, meta: AttentionMetadata, scale: float,
-                  window: int | None = None) -> torch.Tensor:
+                  window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The step's attention by the Triton kernels over a cache whose `planes` are (keys, values, key scales, value
     scales), the scales None for a dense cache; this step's keys and values are in it already. `window`: the
-    layer's sliding window (None: full attention)."""
+    layer's sliding window (None: full attention); `sinks`: its heads' sink logits (None: no sinks)."""
     from .kernels.triton_paged_attention import paged_decode, paged_prefill
 
     out = q.new_empty(q.shape)
     if meta.num_decodes:
         paged_decode(q[:meta.num_decodes], planes[0], planes[1], meta.decode_block_tables, meta.decode_context_lens,
-                     scale, planes[2], planes[3], out=out[:meta.num_decodes], window=window)
+                     scale, planes[2], planes[3], out=out[:meta.num_decodes], window=window, sinks=sinks)
     if meta.prefills:
         batch = meta.prefill_batch
         paged_prefill(q, planes[0], planes[1], batch.block_tables, batch.query_starts, batch.query_lens,
-                      batch.context_lens, batch.max_query_len, scale, planes[2], planes[3], out=out, window=window)
+                      batch.context_lens, batch.max_query_len, scale, planes[2], planes[3], out=out, window=window,
+                      sinks=sinks)
     return out

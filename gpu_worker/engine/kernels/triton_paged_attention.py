@@ -84,10 +84,10 @@ def _attend_keys(q, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table_ptr, cols, val
 
 @triton.jit
 def _paged_decode(q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, tables_ptr, lens_ptr, out_ptr, part_ptr,
-                  stats_ptr, scale, H, KVH, stride_q, stride_table, tokens_per_split, num_splits, window,
+                  stats_ptr, sinks_ptr, scale, H, KVH, stride_q, stride_table, tokens_per_split, num_splits, window,
                   SPLIT: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr,
                   D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, QUANTIZED: tl.constexpr,
-                  FP32: tl.constexpr, WINDOWED: tl.constexpr):
+                  FP32: tl.constexpr, WINDOWED: tl.constexpr, SINKS: tl.constexpr):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -130,20 +130,33 @@ def _paged_decode(q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, tables_ptr, len
             tl.store(stats_ptr + part_rows * 2, best, mask=rg < GROUP)
             tl.store(stats_ptr + part_rows * 2 + 1, total, mask=rg < GROUP)
         else:
-            _store_output(out_ptr, rows, rd, acc, total, head_mask, D)
+            _store_output(out_ptr, sinks_ptr, rows, heads, rd, best, total, acc, head_mask, rg < GROUP, D, SINKS)
     else:
-        _store_output(out_ptr, rows, rd, acc, total, head_mask, D)
+        _store_output(out_ptr, sinks_ptr, rows, heads, rd, best, total, acc, head_mask, rg < GROUP, D, SINKS)
 
 
 @triton.jit
-def _store_output(out_ptr, rows, rd, acc, total, head_mask, D: tl.constexpr):
+def _join_sinks(best, total, acc, sinks):
+    """A softmax's running (max, mass, unnormalized output) per row joined by each row's sink logit: mass and no
+    value (gpt-oss's attention sinks, as `attention.softmax_with_sinks`). Returns the new mass and output."""
+    joined = tl.maximum(best, sinks)
+    kept = tl.exp(best - joined)
+    return total * kept + tl.exp(sinks - joined), acc * kept[:, None]
+
+
+@triton.jit
+def _store_output(out_ptr, sinks_ptr, rows, heads, rd, best, total, acc, head_mask, head_valid, D: tl.constexpr,
+                  SINKS: tl.constexpr):
+    if SINKS:
+        total, acc = _join_sinks(best, total, acc, tl.load(sinks_ptr + heads, mask=head_valid, other=0.0))
     tl.store(out_ptr + rows[:, None] * D + rd[None, :], (acc / total[:, None]).to(out_ptr.dtype.element_ty),
              mask=head_mask)
 
 
 @triton.jit
-def _combine_splits(part_ptr, stats_ptr, out_ptr, lens_ptr, H, tokens_per_split, num_splits, window,
-                    SPLIT_GROUP: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, WINDOWED: tl.constexpr):
+def _combine_splits(part_ptr, stats_ptr, out_ptr, lens_ptr, sinks_ptr, H, tokens_per_split, num_splits, window,
+                    SPLIT_GROUP: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, WINDOWED: tl.constexpr,
+                    SINKS: tl.constexpr):
     """Merges a (row, query head)'s partial softmaxes, SPLIT_GROUP splits at a time: a fixed group, not one as wide
     as the tables, so that a CUDA graph's step and an eager one sum in the same order (on an H200, merged over 8
     lanes and over 16, the same splits and zeros beyond them, a row's output differed). With a sliding window, from
@@ -177,6 +190,12 @@ def _combine_splits(part_ptr, stats_ptr, out_ptr, lens_ptr, H, tokens_per_split,
         weight = tl.exp(best - best_all)
         acc_sum += tl.sum(acc * weight[:, None], axis=0)
         total_sum += tl.sum(total * weight, axis=0)
+    if SINKS:  # the head's sink once, after its splits
+        sink = tl.load(sinks_ptr + row % H)
+        joined = tl.maximum(best_all, sink)
+        kept = tl.exp(best_all - joined)
+        total_sum = total_sum * kept + tl.exp(sink - joined)
+        acc_sum = acc_sum * kept
     tl.store(out_ptr + row * D + rd, (acc_sum / total_sum).to(out_ptr.dtype.element_ty), mask=rd < D)
 
 
@@ -188,13 +207,14 @@ def _row_strided(q: torch.Tensor) -> torch.Tensor:
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, scale: float, k_scale: torch.Tensor | None = None,
                  v_scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                 split_tokens: int = SPLIT_TOKENS, window: int | None = None) -> torch.Tensor:
+                 split_tokens: int = SPLIT_TOKENS, window: int | None = None,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, H, D] (its rows may be strided: the fused projection's q columns); caches [blocks, KVH, block_size,
     D] (int8 / fp8 with scales [blocks, KVH, block_size], or dense); block_tables [B, max_blocks]; context_lens
     [B] (each >= 1, at most max_blocks * block_size). Writes `out` (default: a new [B, H, D] in q's dtype) and
     returns it. Contexts are split every `split_tokens` (a multiple of DECODE_BLOCK_N). `window` (None or 0: full
     attention): a row of context L sees positions max(0, L - window) .. L - 1 only; table entries for blocks wholly
-    before them may be -1."""
+    before them may be -1. `sinks` (float32 [H]): each head's sink logit joined to its softmax (gpt-oss)."""
     q = _row_strided(q)
     batch, heads, dim = q.shape
     _, kv_heads, block_size, _ = k_cache.shape
@@ -210,21 +230,24 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     d_pad = max(16, triton.next_power_of_2(dim))
     _paged_decode[(batch, kv_heads, num_splits)](
         q, k_cache, v_cache, k_scale if quantized else k_cache, v_scale if quantized else v_cache,
-        block_tables, context_lens, out, part, stats, scale, heads, kv_heads, q.stride(0), block_tables.stride(0),
-        split_tokens, num_splits, window or 0, SPLIT=num_splits > 1, GROUP=group,
+        block_tables, context_lens, out, part, stats, q if sinks is None else sinks, scale, heads, kv_heads,
+        q.stride(0), block_tables.stride(0), split_tokens, num_splits, window or 0, SPLIT=num_splits > 1, GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), D=dim, D_PAD=d_pad, BLOCK_SIZE=block_size,
-        BLOCK_N=DECODE_BLOCK_N, QUANTIZED=quantized, FP32=q.dtype == torch.float32, WINDOWED=bool(window))
+        BLOCK_N=DECODE_BLOCK_N, QUANTIZED=quantized, FP32=q.dtype == torch.float32, WINDOWED=bool(window),
+        SINKS=sinks is not None)
     if num_splits > 1:
-        _combine_splits[(batch * heads,)](part, stats, out, context_lens, heads, split_tokens, num_splits, window or 0,
-                                          SPLIT_GROUP=COMBINE_SPLIT_GROUP, D=dim, D_PAD=d_pad, WINDOWED=bool(window))
+        _combine_splits[(batch * heads,)](part, stats, out, context_lens, q if sinks is None else sinks, heads,
+                                          split_tokens, num_splits, window or 0, SPLIT_GROUP=COMBINE_SPLIT_GROUP, D=dim,
+                                          D_PAD=d_pad, WINDOWED=bool(window), SINKS=sinks is not None)
     return out
 
 
 @triton.jit
 def _paged_prefill(q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, tables_ptr, starts_ptr, query_lens_ptr,
-                   context_lens_ptr, out_ptr, scale, H, KVH, stride_q, stride_table, window, GROUP: tl.constexpr,
-                   D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, QUANTIZED: tl.constexpr, FP32: tl.constexpr, WINDOWED: tl.constexpr):
+                   context_lens_ptr, out_ptr, sinks_ptr, scale, H, KVH, stride_q, stride_table, window,
+                   GROUP: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QUANTIZED: tl.constexpr, FP32: tl.constexpr,
+                   WINDOWED: tl.constexpr, SINKS: tl.constexpr):
     chunk = tl.program_id(0)
     tile = tl.program_id(1)
     head = tl.program_id(2)
@@ -260,6 +283,8 @@ def _paged_prefill(q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, tables_ptr, st
         best, total, acc = _attend_keys(q, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr,
                                         tables_ptr + chunk * stride_table, cols, valid, visible, kv_head, rd, best,
                                         total, acc, scale, KVH, BLOCK_SIZE, D, QUANTIZED, FP32, WINDOWED)
+    if SINKS:
+        total, acc = _join_sinks(best, total, acc, tl.load(sinks_ptr + head))
     out = acc / total[:, None]
     tl.store(out_ptr + ((start + rm) * H + head)[:, None] * D + rd[None, :], out.to(out_ptr.dtype.element_ty),
              mask=row_mask)
@@ -269,12 +294,13 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   query_starts: torch.Tensor, query_lens: torch.Tensor, context_lens: torch.Tensor,
                   max_query_len: int, scale: float, k_scale: torch.Tensor | None = None,
                   v_scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                  window: int | None = None) -> torch.Tensor:
+                  window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention for prefill chunks whose keys and values are in the cache already. q [T, H, D]: the step's
     rows (they may be strided), chunk c's from query_starts[c] for query_lens[c]; block_tables [C, max_blocks];
     context_lens [C]: each chunk's tokens, itself included. Writes the chunks' rows of `out` (default: a new
     [T, H, D]) and returns it. `window` (None or 0: full attention): a row at position p sees keys
-    max(0, p - window + 1) .. p only; table entries for blocks wholly before a chunk's first row's may be -1."""
+    max(0, p - window + 1) .. p only; table entries for blocks wholly before a chunk's first row's may be -1.
+    `sinks` (float32 [H]): each head's sink logit joined to its softmax (gpt-oss)."""
     q = _row_strided(q)
     _, heads, dim = q.shape
     _, kv_heads, block_size, _ = k_cache.shape
@@ -285,9 +311,9 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     grid = (block_tables.shape[0], triton.cdiv(max_query_len, PREFILL_BLOCK_M), heads)
     _paged_prefill[grid](
         q, k_cache, v_cache, k_scale if quantized else k_cache, v_scale if quantized else v_cache,
-        block_tables, query_starts, query_lens, context_lens, out, scale, heads, kv_heads, q.stride(0),
-        block_tables.stride(0), window or 0,
+        block_tables, query_starts, query_lens, context_lens, out, q if sinks is None else sinks, scale, heads,
+        kv_heads, q.stride(0), block_tables.stride(0), window or 0,
         GROUP=heads // kv_heads, D=dim, D_PAD=max(16, triton.next_power_of_2(dim)), BLOCK_SIZE=block_size,
         BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=PREFILL_BLOCK_N, QUANTIZED=quantized, FP32=q.dtype == torch.float32,
-        WINDOWED=bool(window))
+        WINDOWED=bool(window), SINKS=sinks is not None)
     return out

@@ -34,7 +34,9 @@ def workload():
 
 def _on_triton(llm: LLM) -> LLM:
     for layer in llm.engine.runner.model.layers:
-        layer.self_attn.attn = TritonPagedAttention(layer.self_attn.attn.heads)
+        torch_path = layer.self_attn.attn
+        layer.self_attn.attn = TritonPagedAttention(torch_path.heads)
+        layer.self_attn.attn.sinks = torch_path.sinks  # as `model.Attention.pack` hands them over
     return llm
 
 
@@ -74,6 +76,17 @@ def test_greedy_on_triton_attention_equals_hf_with_chunked_prefill(make_checkpoi
     model_dir = make_checkpoint("llama")
     prompts, max_new = workload
     # A 32-token budget splits the longer prompts into chunks, each attending over the ones cached before it.
+    llm = _on_triton(_llm(model_dir, max_num_batched_tokens=32))
+    assert _greedy(prompts, max_new, llm) == hf_greedy(model_dir, prompts, max_new)
+
+
+def test_greedy_on_triton_attention_with_sinks_and_sliding_layers_equals_hf(make_checkpoint, workload):
+    """gpt-oss: each head's sink joined to its softmax, and every other layer over a window shorter than most
+    prompts, in chunks that attend over the ones cached before them."""
+    model_dir = make_checkpoint("gpt-oss")
+    longer = [(p, n) for p, n in zip(*workload, strict=True) if len(p) > 40][:2]  # than its window (conftest)
+    prompts, max_new = [p for p, _ in longer], [n for _, n in longer]
+    assert len(prompts) == 2
     llm = _on_triton(_llm(model_dir, max_num_batched_tokens=32))
     assert _greedy(prompts, max_new, llm) == hf_greedy(model_dir, prompts, max_new)
 

@@ -1,6 +1,7 @@
 """Triton paged attention (gpu_worker/engine/kernels/triton_paged_attention.py) against the gathering references:
-decode (split or not) over a dense, an int8 and an FP8 cache, and chunked prefill over the paged context. On CUDA
-when there is one, else in Triton's interpreter on CPU (fp32 and fp16; it is wrong in bf16)."""
+decode (split or not) over a dense, an int8 and an FP8 cache, and chunked prefill over the paged context, with
+and without attention sinks. On CUDA when there is one, else in Triton's interpreter on CPU (fp32 and fp16; it is
+wrong in bf16)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,13 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernel is defined
 pytest.importorskip("triton", reason="Triton is not installed")
 
-from gpu_worker.engine.attention import HeadLayout, ScaledPagedAttention, TorchPagedAttention, _gather  # noqa: E402
+from gpu_worker.engine.attention import (  # noqa: E402
+    HeadLayout,
+    ScaledPagedAttention,
+    TorchPagedAttention,
+    _gather,
+    softmax_with_sinks,
+)
 from gpu_worker.engine.kernels.triton_paged_attention import paged_decode, paged_prefill  # noqa: E402
 from gpu_worker.engine.kv_cache_format import ScaledKVCache  # noqa: E402
 from gpu_worker.engine.triton_attention import TritonScaledPagedAttention  # noqa: E402
@@ -36,18 +43,26 @@ def _assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> 
     assert ((got.float().cpu() - want.float().cpu()).abs() <= tol * (1 + want.float().cpu().abs())).all()
 
 
-def _dense_decode(heads, kv_heads, head_dim, dtype, contexts, **kwargs):
-    """(Triton's, the reference's) decode attention over a random dense cache."""
+def _dense_decode(heads, kv_heads, head_dim, dtype, contexts, sinks=None, **kwargs):
+    """(Triton's, the reference's) decode attention over a random dense cache; `sinks`: the heads' sink logits."""
     torch.manual_seed(heads * 131 + len(contexts))
     num_blocks = sum(-(-c // BLOCK_SIZE) for c in contexts) + 3
     cache = torch.randn(2, num_blocks, kv_heads, BLOCK_SIZE, head_dim).to(dtype)
     q = torch.randn(len(contexts), heads, head_dim).to(dtype)
     meta = decode_metadata(contexts, num_blocks, BLOCK_SIZE)
     scale = head_dim**-0.5
-    want = TorchPagedAttention(HeadLayout(heads, kv_heads, head_dim, scale)).decode(q.float(), cache.float(), meta)
+    reference = TorchPagedAttention(HeadLayout(heads, kv_heads, head_dim, scale, sinks=sinks is not None))
+    reference.sinks = sinks
+    want = reference.decode(q.float(), cache.float(), meta)
     got = paged_decode(q.to(DEVICE), cache[0].to(DEVICE), cache[1].to(DEVICE), meta.decode_block_tables.to(DEVICE),
-                       meta.decode_context_lens.to(DEVICE), scale, **kwargs)
+                       meta.decode_context_lens.to(DEVICE), scale,
+                       sinks=None if sinks is None else sinks.to(DEVICE), **kwargs)
     return got, want
+
+
+def _loud_sinks(heads: int) -> torch.Tensor:
+    """Sink logits of a few units, as trained gpt-oss heads have: they take a share of each softmax worth checking."""
+    return torch.linspace(-1.0, 4.0, heads)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -62,6 +77,13 @@ def test_triton_decode_split_over_a_long_context_matches_the_reference(split_tok
     # Splits past the shorter rows' contexts are empty: their partials must not count; 4100 tokens in splits of
     # 64 are merged over several groups of splits.
     _assert_close(*_dense_decode(8, 2, 64, dtype, [4100, 1, 700], split_tokens=split_tokens), dtype)
+
+
+@pytest.mark.parametrize("split_tokens", [64, 512])  # a long row over several splits, merged; every row in one
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_triton_decode_joins_each_heads_sink_to_its_softmax_as_the_reference_does(split_tokens, dtype):
+    sinks = _loud_sinks(8)
+    _assert_close(*_dense_decode(8, 2, 64, dtype, [1, 17, 300, 500], sinks=sinks, split_tokens=split_tokens), dtype)
 
 
 @pytest.mark.parametrize("contexts", [[1100, 1, 190, 256], [1, 190, 256]])  # split; all within one split
@@ -131,15 +153,21 @@ def test_triton_decode_reads_an_8_bit_cache_as_the_dequantizing_reference_does(h
 PREFILLS = [(5, 5), (17, 40), (1, 30), (16, 48), (70, 70), (65, 200)]
 
 
-def _prefill_reference(q, cache, tables, chunks, scale):
+def _prefill_reference(q, cache, tables, chunks, scale, sinks=None):
     out = torch.empty_like(q)
     start = 0
     for (query_len, context_len), table in zip(chunks, tables, strict=True):
         keys, values = (_gather(cache[i], table[None], context_len) for i in (0, 1))
         rows = torch.arange(query_len)[:, None] + context_len - query_len
         mask = torch.arange(context_len)[None, :] <= rows
-        got = F.scaled_dot_product_attention(q[start:start + query_len].transpose(0, 1)[None], keys, values,
-                                             attn_mask=mask, scale=scale, enable_gqa=True)
+        queries = q[start:start + query_len].transpose(0, 1)[None]
+        if sinks is None:
+            got = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+        else:
+            groups = queries.shape[1] // keys.shape[1]
+            keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
+            scores = (queries @ keys.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
+            got = softmax_with_sinks(scores, sinks) @ values
         out[start:start + query_len] = got[0].transpose(0, 1)
         start += query_len
     return out
@@ -168,6 +196,21 @@ def test_triton_prefill_over_the_paged_context_matches_the_reference(heads, kv_h
     want = _prefill_reference(q.float(), cache.float(), tables, PREFILLS, scale)
     got = paged_prefill(q.to(DEVICE), cache[0].to(DEVICE), cache[1].to(DEVICE), tables.to(DEVICE), starts,
                         query_lens, context_lens, max_query_len, scale)
+    _assert_close(got, want, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_triton_prefill_joins_each_heads_sink_to_its_softmax_as_the_reference_does(dtype):
+    heads, kv_heads, head_dim = 8, 2, 64
+    torch.manual_seed(5)
+    num_blocks = sum(-(-c // BLOCK_SIZE) for _, c in PREFILLS) + 2
+    cache = torch.randn(2, num_blocks, kv_heads, BLOCK_SIZE, head_dim).to(dtype)
+    tables = decode_metadata([c for _, c in PREFILLS], num_blocks, BLOCK_SIZE).decode_block_tables
+    starts, query_lens, context_lens, max_query_len, tokens = _prefill_inputs(PREFILLS)
+    q, sinks = torch.randn(tokens, heads, head_dim).to(dtype), _loud_sinks(heads)
+    want = _prefill_reference(q.float(), cache.float(), tables, PREFILLS, 0.125, sinks)
+    got = paged_prefill(q.to(DEVICE), cache[0].to(DEVICE), cache[1].to(DEVICE), tables.to(DEVICE), starts,
+                        query_lens, context_lens, max_query_len, 0.125, sinks=sinks.to(DEVICE))
     _assert_close(got, want, dtype)
 
 
