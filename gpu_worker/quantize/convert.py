@@ -29,6 +29,7 @@ from gpu_worker.engine.quantization.methods import DEFAULT_GROUP_SIZE, WeightQua
 from services.text.errors import ModelLoadError
 
 from .awq import apply_awq, scale_groups
+from .hf_config import fused_in_hf, hf_config
 
 CALIBRATION_TEXT = Path(__file__).with_name("calibration.txt")
 CALIBRATION_TOKENS = 512
@@ -50,9 +51,7 @@ def quantize_checkpoint(model: str, method: str, out: Path, group_size: int = DE
     (see `WeightQuantizer.for_table`), else the weights' own."""
     started = time.perf_counter()
     checkpoint = open_checkpoint(model)
-    if not isinstance(checkpoint, HFCheckpoint) and checkpoint.config.architecture not in _MODEL_TYPES:
-        raise ModelLoadError(f"{checkpoint.path}: tokenfleet quantize writes no directory from a GGUF file of "
-                             f"{checkpoint.config.architecture} yet; quantize it at load time (--quantization) instead")
+    config = _config(checkpoint)  # before loading: what a GGUF file's HF config cannot say is refused first
     if checkpoint.quantization is not None:
         raise ModelLoadError(f"{checkpoint.path} is already quantized ({checkpoint.quantization.name})")
     if method not in ("int8", "int4", "bf16"):
@@ -61,10 +60,10 @@ def quantize_checkpoint(model: str, method: str, out: Path, group_size: int = DE
         raise ValueError(f"the table's method must be int8 or int4, with --method int8 or int4; got {table!r}")
     llm = LLM(model, dtype="float32", enable_prefix_caching=False)
     net = llm.engine.runner.model
-    alphas, fmt = {}, None
+    alphas = {}
     if method == "bf16":  # a plain dense copy, e.g. of a GGUF file's dequantized weights
-        tensors = {_hf(name): p.detach().to(torch.bfloat16).contiguous() for name, p in net.named_parameters()}
-        quantized_bytes = bf16_bytes = sum(t.nbytes for t in tensors.values())
+        tensors, quantized_bytes, bf16_bytes = _quantized_tensors(net, None, torch.bfloat16)
+        config = {**config, "torch_dtype": "bfloat16", **({"dtype": "bfloat16"} if "dtype" in config else {})}
     else:
         quantizer = WeightQuantizer(method, group_size, table)
         if method == "int4":
@@ -72,9 +71,10 @@ def quantize_checkpoint(model: str, method: str, out: Path, group_size: int = DE
             alphas = apply_awq(net, _calibration_inputs(llm, text), quantizer.fake)
         tensors, quantized_bytes, bf16_bytes = _quantized_tensors(net, quantizer, checkpoint.config.checkpoint_dtype)
         fmt = TokenfleetFormat(quantizer.bits, group_size if method == "int4" else None)
+        config = {**config, "quantization_config": fmt.quantization_config()}
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, out / "model.safetensors")
-    (out / "config.json").write_text(json.dumps(_config(checkpoint, fmt), indent=2))
+    (out / "config.json").write_text(json.dumps(config, indent=2))
     _copy_tokenizer(checkpoint, llm, out)
     return Conversion(out, quantized_bytes, bf16_bytes, alphas, time.perf_counter() - started)
 
@@ -98,15 +98,17 @@ def _calibration_inputs(llm: LLM, text: str) -> dict[str, torch.Tensor]:
     return {name: torch.cat(rows) for name, rows in captured.items()}
 
 
-def _quantized_tensors(net: Transformer, quantizer: WeightQuantizer,
+def _quantized_tensors(net: Transformer, quantizer: WeightQuantizer | None,
                        dense_dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], int, int]:
-    """HF-named tensors: fused linears split back into q/k/v and gate/up (rows quantize independently); norms
-    and biases in the source's dtype."""
+    """HF-named tensors, quantized (or, without a quantizer, dense in `dense_dtype`): fused linears split back
+    into q/k/v and gate/up where the architecture's HF checkpoints split them (rows quantize independently);
+    norms and biases in `dense_dtype`."""
     fmt_of = {8: TokenfleetFormat(8), 4: TokenfleetFormat(4)}
     tensors: dict[str, torch.Tensor] = {}
     quantized_bytes = bf16_bytes = 0
     tied = net.lm_head.weight is net.embed_tokens.weight
     modules = dict(net.named_modules())
+    kept_fused = fused_in_hf(net.config.architecture)
     served_order = qkv_row_order(net.config)  # partial rotary: q/k rows as served, put back in the checkpoint's
     for name, param in net.named_parameters():  # a tied LM head is the embedding's parameter: listed once
         module = name.rpartition(".")[0]
@@ -115,14 +117,18 @@ def _quantized_tensors(net: Transformer, quantizer: WeightQuantizer,
         if not name.endswith(".weight") or not isinstance(modules[module], Linear | Embedding):  # norms, a router
             tensors[_hf(name)] = param.detach().to(dense_dtype).contiguous()
             continue
-        fused = next((f for f in _SPLITS if module.endswith(f)), None)
+        fused = next((f for f in _SPLITS if module.endswith(f) and f not in kept_fused), None)
         parts = ([param] if fused is None else
                  param.detach().split(shard_sizes(net.config, module)))
         names = [module] if fused is None else [module.replace(fused, part) for part in _SPLITS[fused]]
         for part_name, rows in zip(names, parts, strict=True):
+            bf16_bytes += rows.numel() * 2
+            if quantizer is None:
+                tensors[f"{_hf(part_name)}.weight"] = rows.detach().to(dense_dtype).contiguous()
+                quantized_bytes += rows.numel() * dense_dtype.itemsize
+                continue
             weight = (quantizer.for_table(tied) if module == "embed_tokens" else quantizer)(rows.detach())
             quantized_bytes += weight.nbytes
-            bf16_bytes += rows.numel() * 2
             for suffix, tensor in fmt_of[weight.bits].write(weight).items():
                 tensors[f"{_hf(part_name)}.{suffix}"] = tensor.contiguous()
     return tensors, quantized_bytes, bf16_bytes
@@ -132,44 +138,15 @@ def _hf(name: str) -> str:
     return name if name.startswith("lm_head") else f"model.{name}"
 
 
-_MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-                "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral"}
-
-
-def _config(checkpoint: Checkpoint, fmt: TokenfleetFormat | None) -> dict:
+def _config(checkpoint: Checkpoint) -> dict:
+    """The source's config.json, or a GGUF file's config as its architecture's HF config (`hf_config.py`); without
+    quantization_config (a source's MXFP4 experts, gpt-oss's, are dequantized at load)."""
     if isinstance(checkpoint, HFCheckpoint):
         raw = json.loads((checkpoint.path / "config.json").read_text())
-    else:  # a GGUF file: the config its metadata gave
-        cfg = checkpoint.config
-        raw = {"architectures": [cfg.architecture], "model_type": _MODEL_TYPES[cfg.architecture],
-               "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_layers,
-               "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
-               "head_dim": cfg.head_dim, "intermediate_size": cfg.intermediate_size, "vocab_size": cfg.vocab_size,
-               "rms_norm_eps": cfg.rms_norm_eps,
-               # HF's form of the scaling, or a GGUF file's per-frequency factors (read by `rope.py` alone)
-               "rope_parameters": {"rope_theta": cfg.rope_theta, **cfg.rope_scaling},
-               "max_position_embeddings": cfg.max_position_embeddings,
-               "tie_word_embeddings": cfg.tie_word_embeddings, "attention_bias": cfg.qkv_bias,
-               "sliding_window": cfg.sliding_window, "eos_token_id": sorted(cfg.eos_token_ids)}
-        raw["torch_dtype"] = str(cfg.checkpoint_dtype).removeprefix("torch.")
-        raw.update(_moe_fields(cfg))
-    raw.pop("quantization_config", None)  # a source's MXFP4 experts (gpt-oss) were dequantized at load
-    if fmt is None:
-        return {**raw, "torch_dtype": "bfloat16"}
-    return {**raw, "quantization_config": fmt.quantization_config()}
-
-
-def _moe_fields(cfg) -> dict:
-    """A GGUF mixture's experts in its HF config's words (every layer sparse, as llama.cpp writes them)."""
-    moe = cfg.moe
-    if moe is None:
-        return {}
-    if cfg.architecture == "MixtralForCausalLM":
-        return {"num_local_experts": moe.num_experts, "num_experts_per_tok": moe.experts_per_token,
-                "intermediate_size": moe.expert_intermediate_size}
-    return {"num_experts": moe.num_experts, "num_experts_per_tok": moe.experts_per_token,
-            "moe_intermediate_size": moe.expert_intermediate_size, "norm_topk_prob": moe.renormalize,
-            "mlp_only_layers": sorted(moe.dense_layers), "decoder_sparse_step": 1}
+    else:
+        raw = hf_config(checkpoint.config, str(checkpoint.path))
+    raw.pop("quantization_config", None)
+    return raw
 
 
 def _copy_tokenizer(checkpoint: Checkpoint, llm: LLM, out: Path) -> None:

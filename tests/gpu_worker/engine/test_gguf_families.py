@@ -191,3 +191,63 @@ def test_a_model_whose_clipping_llama_cpp_fixes_otherwise_has_no_gguf_file(small
     """conftest's OLMoE clips q/k/v at 2 and its gpt-oss clamps the SwiGLU at 2: no file says either."""
     with pytest.raises(ValueError, match=field):
         write_gguf(small_checkpoint(arch), tmp_path / "model.gguf", T.F32)
+
+
+# ---- tokenfleet quantize -------------------------------------------------------------------------------------------
+
+QUANTIZED = ["gemma2", "gemma3", "phi3", "phi4-mini", "olmoe"]
+HF_CONFIGS = {"gemma2": "Gemma2Config", "gemma3": "Gemma3TextConfig", "phi3": "Phi3Config", "phi4-mini": "Phi3Config",
+              "olmoe": "OlmoeConfig"}
+
+
+def _file(small_checkpoint, tmp_path, arch):
+    model_dir = varied(small_checkpoint(arch, **FAMILIES[arch]), tmp_path / arch)
+    return write_gguf(model_dir, tmp_path / f"{arch}.gguf", T.F32)
+
+
+@pytest.mark.parametrize("arch", QUANTIZED)
+def test_a_gguf_file_quantizes_to_a_directory_serving_what_load_time_int8_serves(small_checkpoint, tmp_path, arch):
+    """Gemma's norms, Phi-3's fused projections and partial rotary, OLMoE's whole q/k norms and experts."""
+    from gpu_worker.engine import LLM
+    from gpu_worker.quantize.convert import quantize_checkpoint
+    from tests.conftest import DEVICE
+
+    path = _file(small_checkpoint, tmp_path, arch)
+    done = quantize_checkpoint(str(path), "int8", tmp_path / "int8")
+    load_time = LLM(str(path), dtype="float32", device=DEVICE, kv_cache_memory_bytes=64 << 20, max_model_len=1024,
+                    quantization="int8")
+    prompts = [*PROMPTS[:2], LONG_PROMPTS[0]]
+    assert ours_greedy(str(done.out), prompts, 12) == ours_greedy(load_time, prompts, 12)
+
+
+@pytest.mark.parametrize("arch", QUANTIZED)
+def test_a_gguf_files_bf16_directory_is_its_familys_hf_checkpoint(small_checkpoint, tmp_path, arch):
+    """transformers reads its config as the family's class and serves from the directory what we serve from it:
+    tensors under HF's names and in its layout (Phi-3's q/k/v and gate/up fused, q/k rows in HF's order), read as
+    we read them (the int8 test above shows ours is the file's model: Gemma's norm weights w, not 1 + w), and
+    every field the model needs (Gemma's layer types, scalar and caps, Gemma 3's rotary per layer type, Phi-3's
+    LongRoPE and partial rotary, OLMoE's experts)."""
+    from transformers import AutoConfig
+
+    from gpu_worker.quantize.convert import quantize_checkpoint
+
+    done = quantize_checkpoint(str(_file(small_checkpoint, tmp_path, arch)), "bf16", tmp_path / "bf16")
+    assert type(AutoConfig.from_pretrained(done.out)).__name__ == HF_CONFIGS[arch]
+    prompts = [*PROMPTS[:2], LONG_PROMPTS[0]]
+    assert hf_greedy_loading(done.out, prompts, 12) == ours_greedy(str(done.out), prompts, 12)
+
+
+@pytest.mark.parametrize(("arch", "keys", "named"), [
+    ("gpt-oss", dict(expert_count=4, expert_used_count=2, expert_feed_forward_length=16, sliding_window=8),
+     "GptOssForCausalLM"),
+    ("gemma2", dict(sliding_window=8, rope_freq_base=10000.0, rope_freq_base_swa=500.0), "sliding_rope"),
+], ids=["gpt-oss", "gemma2-own-sliding-rotary"])
+def test_quantize_refuses_a_file_no_hf_config_of_its_family_describes_by_name(tmp_path, arch, keys, named):
+    """Before loading the model: gpt-oss files (not yet written), and a Gemma 2 whose sliding layers rotate by a
+    base of their own, which Gemma2Config cannot say."""
+    from gpu_worker.quantize.convert import quantize_checkpoint
+
+    path = hyperparameters_file(tmp_path / "model.gguf", arch, **keys)
+    with pytest.raises(ModelLoadError, match=named):
+        quantize_checkpoint(str(path), "int8", tmp_path / "int8")
+    assert not (tmp_path / "int8").exists()
