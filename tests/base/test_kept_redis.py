@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import subprocess
-import time
-
 from services.base.redis_client import SOCKET_PATH_MAX, KeptRedis
+from tests.kept_redis import kept_redis_server
 
 
 def test_a_kept_redis_in_a_deep_directory_listens_on_a_short_socket_and_keeps_its_data_in_the_directory(tmp_path):
@@ -13,13 +11,6 @@ def test_a_kept_redis_in_a_deep_directory_listens_on_a_short_socket_and_keeps_it
     deep.mkdir(parents=True)
     kept = KeptRedis(deep)
     assert len(str(kept.socket)) <= SOCKET_PATH_MAX and KeptRedis(deep).socket == kept.socket
-    server = subprocess.Popen(kept.command(), stdout=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 20
-        while not kept.answers():
-            assert time.monotonic() < deadline and server.poll() is None, "the redis-server did not start"
-            time.sleep(0.05)
-    finally:
-        kept.shutdown()
-        server.wait(10)
+    with kept_redis_server(kept) as client:
+        assert client.ping()
     assert (deep / "tokenfleet.rdb").is_file()

@@ -8,14 +8,12 @@ stopped, saving, before the next one's starts."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -29,6 +27,7 @@ from services.base.redis_client import KeptRedis
 from services.launcher.stack import embedded_redis
 from services.text import builtin_models
 from tests.faults.conftest import StreamResult, got_or_got_before_the_last_chunk, stream_completion
+from tests.kept_redis import kept_redis_server
 from tests.stack import API_KEY, MODEL, STACK_ENV, _free_port
 
 RECOVERY_S = 20  # from the supervisor's resume to the first request served again
@@ -167,34 +166,15 @@ def test_a_ctrl_c_to_its_process_group_stops_every_service_once_though_it_was_st
     assert not [s for s in services if s.is_running() and s.status() != psutil.STATUS_ZOMBIE]
     assert not [line for line in up_stack.console[said:] if "restart" in line], up_stack.console[said:]
 
-    with _redis_server(KeptRedis(up_stack.cache / "redis")) as kept:  # stopped last, saving: its data is kept
+    with kept_redis_server(KeptRedis(up_stack.cache / "redis")) as kept:  # stopped last, saving: its data is kept
         assert kept.get("tokenfleet:test:kept") == "before the stop"
 
 
 def test_a_redis_that_outlived_a_killed_stack_is_stopped_saving_before_its_successor_starts(tmp_path):
-    with _redis_server(KeptRedis(tmp_path)) as orphan:
+    with kept_redis_server(KeptRedis(tmp_path)) as orphan:
         orphan.set("tokenfleet:test:kept", "before the stack was killed")
         embedded_redis(tmp_path)  # as `tokenfleet up` starts: two servers must not write one append-only file
         with pytest.raises(sync_redis.ConnectionError):
             orphan.ping()
-    with _redis_server(KeptRedis(tmp_path)) as successor:
+    with kept_redis_server(KeptRedis(tmp_path)) as successor:
         assert successor.get("tokenfleet:test:kept") == "before the stack was killed"
-
-
-@contextlib.contextmanager
-def _redis_server(kept: KeptRedis) -> Iterator[sync_redis.Redis]:
-    """A client of a redis-server on `kept`'s directory, run as `tokenfleet up` runs it, while the block runs."""
-    server = subprocess.Popen(kept.command(), stdout=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 20
-        while not kept.answers():
-            assert time.monotonic() < deadline and server.poll() is None, "the redis-server did not start"
-            time.sleep(0.05)
-        yield sync_redis.Redis.from_url(kept.url, decode_responses=True, socket_timeout=5)
-    finally:
-        kept.shutdown()
-        try:
-            server.wait(10)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()

@@ -136,19 +136,20 @@ def _paged_decode(q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, tables_ptr, len
 
 
 @triton.jit
-def _join_sinks(best, total, acc, sinks):
-    """A softmax's running (max, mass, unnormalized output) per row joined by each row's sink logit: mass and no
-    value (gpt-oss's attention sinks, as `attention.softmax_with_sinks`). Returns the new mass and output."""
+def _join_sinks(best, total, sinks):
+    """A softmax's running max and mass joined by its sink logit: mass and no value (gpt-oss's attention sinks, as
+    `attention.softmax_with_sinks`). Returns the new mass and the factor its unnormalized output takes."""
     joined = tl.maximum(best, sinks)
     kept = tl.exp(best - joined)
-    return total * kept + tl.exp(sinks - joined), acc * kept[:, None]
+    return total * kept + tl.exp(sinks - joined), kept
 
 
 @triton.jit
 def _store_output(out_ptr, sinks_ptr, rows, heads, rd, best, total, acc, head_mask, head_valid, D: tl.constexpr,
                   SINKS: tl.constexpr):
     if SINKS:
-        total, acc = _join_sinks(best, total, acc, tl.load(sinks_ptr + heads, mask=head_valid, other=0.0))
+        total, kept = _join_sinks(best, total, tl.load(sinks_ptr + heads, mask=head_valid, other=0.0))
+        acc *= kept[:, None]
     tl.store(out_ptr + rows[:, None] * D + rd[None, :], (acc / total[:, None]).to(out_ptr.dtype.element_ty),
              mask=head_mask)
 
@@ -191,11 +192,8 @@ def _combine_splits(part_ptr, stats_ptr, out_ptr, lens_ptr, sinks_ptr, H, tokens
         acc_sum += tl.sum(acc * weight[:, None], axis=0)
         total_sum += tl.sum(total * weight, axis=0)
     if SINKS:  # the head's sink once, after its splits
-        sink = tl.load(sinks_ptr + row % H)
-        joined = tl.maximum(best_all, sink)
-        kept = tl.exp(best_all - joined)
-        total_sum = total_sum * kept + tl.exp(sink - joined)
-        acc_sum = acc_sum * kept
+        total_sum, kept = _join_sinks(best_all, total_sum, tl.load(sinks_ptr + row % H))
+        acc_sum *= kept
     tl.store(out_ptr + row * D + rd, (acc_sum / total_sum).to(out_ptr.dtype.element_ty), mask=rd < D)
 
 
@@ -284,7 +282,8 @@ def _paged_prefill(q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, tables_ptr, st
                                         tables_ptr + chunk * stride_table, cols, valid, visible, kv_head, rd, best,
                                         total, acc, scale, KVH, BLOCK_SIZE, D, QUANTIZED, FP32, WINDOWED)
     if SINKS:
-        total, acc = _join_sinks(best, total, acc, tl.load(sinks_ptr + head))
+        total, kept = _join_sinks(best, total, tl.load(sinks_ptr + head))
+        acc *= kept[:, None]
     out = acc / total[:, None]
     tl.store(out_ptr + ((start + rm) * H + head)[:, None] * D + rd[None, :], out.to(out_ptr.dtype.element_ty),
              mask=row_mask)
