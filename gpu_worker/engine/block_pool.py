@@ -1,8 +1,10 @@
 """Fixed pool of KV-cache block ids with reference counts and a prefix cache (integers only, no tensors).
 
 A full block can be registered under its `BlockKey` (block_hash.py: a SHA-256 chain over every token up to
-it). A freed block keeps its key and waits in the free list, oldest first, until a later request with the
-same prefix takes it back (`share`) or the pool needs room (`allocate` evicts it).
+it) and its KV-cache group (`kv_cache_groups.py`: the same tokens' block differs from group to group). A freed
+block keeps its key and waits in the free list, oldest first, until a later request with the same prefix takes it
+back (`share`) or the pool needs room (`allocate` evicts it). The event log and `cached_hashes` speak of group 0's
+blocks alone: the fleet's prefix directory asks which worker holds a prefix, not in which groups.
 """
 
 from __future__ import annotations
@@ -47,8 +49,8 @@ class BlockPool:
         self.num_blocks = num_blocks
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # evicted front first
         self._refcount = [0] * num_blocks
-        self._key_of: list[BlockKey | None] = [None] * num_blocks
-        self._cached: dict[BlockKey, int] = {}
+        self._key_of: list[tuple[int, BlockKey] | None] = [None] * num_blocks  # (group, key)
+        self._cached: dict[tuple[int, BlockKey], int] = {}
         self.num_evicted = 0
         self.events = KVEventLog()
 
@@ -74,11 +76,12 @@ class BlockPool:
         blocks = [self._free.popitem(last=False)[0] for _ in range(count)]
         for block in blocks:
             self._refcount[block] = 1
-            if (key := self._key_of[block]) is not None:  # evict its cached prefix
-                del self._cached[key]
+            if (cached := self._key_of[block]) is not None:  # evict its cached prefix
+                del self._cached[cached]
                 self._key_of[block] = None
                 self.num_evicted += 1
-                self.events.record(False, key)
+                if cached[0] == 0:
+                    self.events.record(False, cached[1])
         return blocks
 
     def share(self, blocks: list[int]) -> None:
@@ -97,16 +100,18 @@ class BlockPool:
             elif self._refcount[block] < 0:
                 raise RuntimeError(f"KV block {block} released more often than allocated")
 
-    def cache(self, block: int, key: BlockKey) -> None:
-        """Register a full block under its prefix key (a block with the same key already cached wins)."""
-        if self._key_of[block] is None and key not in self._cached:
-            self._cached[key] = block
-            self._key_of[block] = key
-            self.events.record(True, key)
+    def cache(self, group: int, block: int, key: BlockKey) -> None:
+        """Register a full block of `group` under its prefix key (a block with the same key already cached wins)."""
+        if self._key_of[block] is None and (group, key) not in self._cached:
+            self._cached[group, key] = block
+            self._key_of[block] = (group, key)
+            if group == 0:
+                self.events.record(True, key)
 
-    def lookup(self, key: BlockKey) -> int | None:
-        return self._cached.get(key)
+    def lookup(self, group: int, key: BlockKey) -> int | None:
+        return self._cached.get((group, key))
 
     def cached_hashes(self) -> list[int]:
-        """Every block hash the cache holds now: a full resend after `events` overflowed."""
-        return [block_id(key) for key in list(self._cached)]  # list(): one step under the GIL, safe beside a step
+        """Every block hash group 0 holds now: a full resend after `events` overflowed."""
+        # list(): one step under the GIL, safe beside a step
+        return [block_id(key) for group, key in list(self._cached) if group == 0]

@@ -55,26 +55,30 @@ def capture_cuda_graph(forward: Callable[[], torch.Tensor], pool) -> Replay:
 class NoDecodeGraphs:
     """Every step eager: CPU, CUDA with graphs turned off, or an attention a graph cannot replay."""
 
-    def covers(self, meta: AttentionMetadata) -> bool:
+    def covers(self, metas: list[AttentionMetadata]) -> bool:
         return False
 
 
 class DecodeGraphs:
-    def __init__(self, model: Transformer, kv_caches: list, block_size: int, max_num_seqs: int,
-                 max_blocks_per_seq: int, padding_block: int, device: torch.device,
+    def __init__(self, model: Transformer, kv_caches: list, layer_groups: list[int], block_size: int,
+                 max_num_seqs: int, max_blocks_per_seq: int, padding_block: int, device: torch.device,
                  capture: Callable[[Callable[[], torch.Tensor], object], Replay] = capture_cuda_graph):
+        """`layer_groups`: each layer's KV-cache group (`kv_cache_groups.py`), each group with static block tables
+        and slots of its own."""
         self.model = model
         self.kv_caches = kv_caches
+        self.layer_groups = layer_groups
         self.buckets = batch_buckets(max_num_seqs)
         self.block_size = block_size
         self.padding_block = padding_block
         self.capture = capture
         rows, as_long = self.buckets[-1], {"dtype": torch.long, "device": device}
+        groups = range(max(layer_groups) + 1)
         self.input_ids = torch.zeros(rows, **as_long)
         self.positions = torch.zeros(rows, **as_long)
-        self.slot_blocks = torch.full((rows,), padding_block, **as_long)
+        self.slot_blocks = [torch.full((rows,), padding_block, **as_long) for _ in groups]
         self.slot_offsets = torch.zeros(rows, **as_long)
-        self.block_tables = torch.zeros(rows, max_blocks_per_seq, **as_long)
+        self.block_tables = [torch.zeros(rows, max_blocks_per_seq, **as_long) for _ in groups]
         self.context_lens = torch.ones(rows, **as_long)
         self.replays: dict[int, Replay] = {}
 
@@ -91,28 +95,32 @@ class DecodeGraphs:
                  time.perf_counter() - started, used / 2**20)
 
     def _forward(self, rows: int) -> Callable[[], torch.Tensor]:
-        meta = AttentionMetadata(self.slot_blocks[:rows], self.slot_offsets[:rows], self.block_size, [1] * rows,
-                                 self.block_tables[:rows], self.context_lens[:rows], [])
-        return lambda: self.model(self.input_ids[:rows], self.positions[:rows], self.kv_caches, meta)
+        metas = [AttentionMetadata(slots[:rows], self.slot_offsets[:rows], self.block_size, [1] * rows, tables[:rows],
+                                   self.context_lens[:rows], [])
+                 for slots, tables in zip(self.slot_blocks, self.block_tables, strict=True)]
+        by_layer = [metas[g] for g in self.layer_groups]
+        return lambda: self.model(self.input_ids[:rows], self.positions[:rows], self.kv_caches, by_layer)
 
-    def covers(self, meta: AttentionMetadata) -> bool:
+    def covers(self, metas: list[AttentionMetadata]) -> bool:
         """Whether a graph runs this step: decode rows only, no more than the largest bucket, tables that fit."""
+        meta = metas[0]
         return (not meta.prefills and 0 < meta.num_decodes <= self.buckets[-1]
-                and meta.decode_block_tables.shape[1] <= self.block_tables.shape[1])
+                and all(m.decode_block_tables.shape[1] <= t.shape[1] for m, t in zip(metas, self.block_tables,
+                                                                                    strict=True)))
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, metas: list[AttentionMetadata]) -> torch.Tensor:
         """The step's final hidden states [rows, hidden], as the model's forward returns them."""
-        rows = meta.num_decodes
+        rows = metas[0].num_decodes
         bucket = next(b for b in self.buckets if b >= rows)
-        width = meta.decode_block_tables.shape[1]
         self.input_ids[:rows].copy_(input_ids, non_blocking=True)
         self.positions[:rows].copy_(positions, non_blocking=True)
-        self.slot_blocks[:rows].copy_(meta.slot_blocks, non_blocking=True)
-        self.slot_offsets[:rows].copy_(meta.slot_offsets, non_blocking=True)
-        self.block_tables[:rows, :width].copy_(meta.decode_block_tables, non_blocking=True)
-        self.context_lens[:rows].copy_(meta.decode_context_lens, non_blocking=True)
-        # Rows past this step's, up to the bucket: write into the padding block, attend to one token.
-        self.slot_blocks[rows:bucket].fill_(self.padding_block)
+        self.slot_offsets[:rows].copy_(metas[0].slot_offsets, non_blocking=True)
+        self.context_lens[:rows].copy_(metas[0].decode_context_lens, non_blocking=True)
+        for meta, slots, tables in zip(metas, self.slot_blocks, self.block_tables, strict=True):
+            slots[:rows].copy_(meta.slot_blocks, non_blocking=True)
+            tables[:rows, :meta.decode_block_tables.shape[1]].copy_(meta.decode_block_tables, non_blocking=True)
+            # Rows past this step's, up to the bucket: write into the padding block, attend to one token.
+            slots[rows:bucket].fill_(self.padding_block)
         self.slot_offsets[rows:bucket].zero_()
         self.context_lens[rows:bucket].fill_(1)
         return self.replays[bucket]()[:rows]

@@ -39,7 +39,7 @@ class DraftModelProposer(Proposer):
         guesses: list[list[int]] = [[] for _ in chunks]
         behind = {i for i, c in enumerate(chunks) if self._unseen(c) > self.max_catch_up_tokens}
         catch_up = [ScheduledChunk(_with_guesses(chunks[i].seq, []), chunks[i].seq.num_draft_computed_tokens,
-                                   self.max_catch_up_tokens, chunks[i].block_table, sample=False) for i in behind]
+                                   self.max_catch_up_tokens, chunks[i].block_tables, sample=False) for i in behind]
         for step in range(max(c.max_guesses for c in chunks)):
             active = [i for i, c in enumerate(chunks) if c.max_guesses > step and i not in behind]
             drafts = [self._draft_chunk(chunks[i], guesses[i]) for i in active]
@@ -65,7 +65,7 @@ class DraftModelProposer(Proposer):
         first it has not seen), then one guess at a time."""
         position = chunk.start + len(guesses)
         start = position if guesses or self.shares_target_cache else chunk.seq.num_draft_computed_tokens
-        return ScheduledChunk(_with_guesses(chunk.seq, guesses), start, position + 1 - start, chunk.block_table,
+        return ScheduledChunk(_with_guesses(chunk.seq, guesses), start, position + 1 - start, chunk.block_tables,
                               sample=True)
 
 

@@ -19,6 +19,7 @@ from .detokenizer import IncrementalDetokenizer
 from .draft_proposer import DraftModelProposer
 from .host_memory import keep_freed_memory
 from .kernel_choice import choose_kernels, kernel_summary
+from .kv_cache_groups import KVCacheLayout
 from .kv_cache_manager import KVCacheManager, cdiv
 from .linear import Linear
 from .loader import load_model
@@ -83,19 +84,22 @@ class LLMEngine:
         self.kernels = choose_kernels(config, self.dtype)
         self.kv_format = self.kernels.kv_format
         model = load_model(checkpoint, self.kernels, quantizer)
+        self.kv_layout = KVCacheLayout.of_windows([self.model_config.window_of(i)
+                                                   for i in range(self.model_config.num_layers)])
         speculative = SpeculativeConfig.parse(config.speculative)
         draft = self._load_draft(speculative, checkpoint, model)
         graphs = self.kernels.decode_graphs and model.graph_capturable
+        cfg = self.model_config
         num_blocks = self._num_blocks(model, draft.config if speculative and speculative.method == "draft" else None,
                                       config.max_num_seqs if graphs else 0)
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
-                                 window=self.model_config.window_of_every_layer)
-        cfg = self.model_config
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, self.kv_layout.windows)
         # With CUDA graphs, one block more than the pool hands out: the padding rows' (`cuda_graphs.py`).
-        kv_caches = self.kv_format.allocate(cfg.num_layers, num_blocks + graphs, config.block_size, cfg.num_kv_heads,
-                                            cfg.head_dim, self.device)
+        slots = self.kv_format.allocate(self.kv_layout.num_slots, num_blocks + graphs, config.block_size,
+                                        cfg.num_kv_heads, cfg.head_dim, self.device)
+        kv_caches = self.kv_layout.caches_by_layer(slots)
         self.runner = ModelRunner(model, kv_caches, config.block_size, self.device, config.deterministic,
-                                  self._decode_graphs(model, kv_caches, num_blocks) if graphs else None)
+                                  self._decode_graphs(model, kv_caches, num_blocks) if graphs else None,
+                                  self.kv_layout.group_of_layer)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len), self.kv,
             self._proposer(speculative, draft),
@@ -125,6 +129,11 @@ class LLMEngine:
             if vocab != self.model_config.vocab_size or draft.tokenizer().encode(probe) != self.tokenizer.encode(probe):
                 raise ModelLoadError(f"draft model {draft.path} does not share the target's tokenizer "
                                      f"(vocabulary {vocab}, the target's {self.model_config.vocab_size})")
+            window = self.kv_layout.groups[0].window  # the draft's layers read the target's first group's tables
+            if window is not None and any((w := draft.config.window_of(i)) is None or w > window
+                                          for i in range(draft.config.num_layers)):
+                raise ModelLoadError(f"draft model {draft.path} attends further back than the target's sliding "
+                                     f"window of {window} tokens keeps KV blocks: use a draft with that window")
             return load_model(draft, kernels)
         if not any(isinstance(m, Linear) and m.weight is not None for m in target.modules()):
             raise ModelLoadError(f"speculative method {config.method} drafts with the target's dense weights "
@@ -138,7 +147,8 @@ class LLMEngine:
         if config.method == "ngram":
             return NgramProposer(config)
         if config.method != "draft":  # a self-draft reads the target's own cache
-            runner = ModelRunner(draft, self.runner.kv_caches, self.kv.block_size, self.device)
+            runner = ModelRunner(draft, self.runner.kv_caches, self.kv.block_size, self.device,
+                                 layer_groups=self.runner.layer_groups)
             return DraftModelProposer(config, runner, shares_target_cache=True, max_catch_up_tokens=0)
         cfg = draft.config
         caches = self.kv_format.allocate(cfg.num_layers, self.kv.pool.num_blocks, self.kv.block_size,
@@ -148,17 +158,19 @@ class LLMEngine:
 
     def _decode_graphs(self, model: Transformer, kv_caches: list, padding_block: int) -> DecodeGraphs:
         bs = self.config.block_size
-        graphs = DecodeGraphs(model, kv_caches, bs, self.config.max_num_seqs, cdiv(self.max_model_len, bs) + 1,
-                              padding_block, self.device)
+        graphs = DecodeGraphs(model, kv_caches, self.kv_layout.group_of_layer, bs, self.config.max_num_seqs,
+                              cdiv(self.max_model_len, bs) + 1, padding_block, self.device)
         graphs.capture_all()
         return graphs
 
     def _num_blocks(self, model: Transformer, draft: ModelConfig | None, graph_rows: int) -> int:
-        """As many blocks as the budget holds, each with the target's keys and values (and a draft model's, when
-        it has a cache of its own over the same blocks). On CUDA the budget is what gpu_memory_utilization leaves
-        after the weights, a full step's activations (measured) and CUDA graphs."""
-        per_block = sum(self.kv_format.bytes_per_block(cfg.num_layers, self.config.block_size, cfg.num_kv_heads,
-                                                       cfg.head_dim) for cfg in (self.model_config, draft) if cfg)
+        """As many blocks as the budget holds, each with the target's keys and values in its KV-cache layout's
+        slots (every layer's, for a model of one group), and a draft model's, when it has a cache of its own over
+        the same blocks. On CUDA the budget is what gpu_memory_utilization leaves after the weights, a full step's
+        activations (measured) and CUDA graphs."""
+        per_block = sum(self.kv_format.bytes_per_block(layers, self.config.block_size, cfg.num_kv_heads, cfg.head_dim)
+                        for cfg, layers in ((self.model_config, self.kv_layout.num_slots),
+                                            (draft, draft and draft.num_layers)) if cfg)
         budget = self.config.kv_cache_memory_bytes
         if budget is None and self.device.type == "cuda":
             budget = kv_cache_budget(model, self.kv_format, self.config.block_size,

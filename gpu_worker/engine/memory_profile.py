@@ -42,7 +42,8 @@ def largest_step(model: Transformer, kv_format, block_size: int, max_tokens: int
         slot = torch.cat(slots)
         positions = torch.cat([torch.arange(n, device=device) for n in lengths])
         meta = AttentionMetadata(slot // block_size, slot % block_size, block_size, [], None, None, chunks)
-        hidden = model(torch.zeros(max_tokens, dtype=torch.long, device=device), positions, caches, meta)
+        hidden = model(torch.zeros(max_tokens, dtype=torch.long, device=device), positions, caches,
+                       [meta] * cfg.num_layers)
         rows = min(max_rows, max_tokens)
         params = [SamplingParams(temperature=0.8, top_p=0.9, logprobs=1)] * rows
         Sampler(model.ops)(model.logits(hidden[:rows]), SamplingBatch(params, [0.5] * rows, [[]] * rows, [[]] * rows))

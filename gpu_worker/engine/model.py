@@ -261,11 +261,13 @@ class Transformer(nn.Module):
             softcap, cfg.final_logit_softcap)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: AttentionMetadata, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """Returns final hidden states [T, hidden], or only those of `rows` (the ones sampled): the last layer's
-        o_proj and MLP then run for them alone, a 12-layer model's prefill chunk doing ~1/13 less work (llama.cpp
-        does the same). `logits` projects the rows that are sampled."""
-        return self.run(self.layers, self.norm, input_ids, positions, kv_caches, meta, rows)
+                metas: list[AttentionMetadata], rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Each layer attends through its cache and its metadata (`metas`, one per layer: a hybrid model's layers
+        read block tables of their own group, `kv_cache_groups.py`). Returns final hidden states [T, hidden], or
+        only those of `rows` (the ones sampled): the last layer's o_proj and MLP then run for them alone, a
+        12-layer model's prefill chunk doing ~1/13 less work (llama.cpp does the same). `logits` projects the rows
+        that are sampled."""
+        return self.run(self.layers, self.norm, input_ids, positions, kv_caches, metas, rows)
 
     def bound(self) -> Callable:
         """`forward` with every layer's and the final norm's calls bound ahead (`DecoderLayer.bound`): the same
@@ -274,14 +276,15 @@ class Transformer(nn.Module):
         return functools.partial(self.run, [layer.bound() for layer in self.layers], self.norm.bound())
 
     def run(self, layers: list[Callable], norm: Callable, input_ids: torch.Tensor, positions: torch.Tensor,
-            kv_caches: list[torch.Tensor], meta: AttentionMetadata, rows: torch.Tensor | None = None) -> torch.Tensor:
+            kv_caches: list[torch.Tensor], metas: list[AttentionMetadata],
+            rows: torch.Tensor | None = None) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         rotations = [rotary.cos_sin(positions, x.dtype) for rotary in self.rotaries]
         residual = None
-        *inner, last = zip(layers, kv_caches, self.rotary_of_layer, strict=True)
-        for layer, kv_cache, rotary in inner:
+        *inner, last = zip(layers, kv_caches, metas, self.rotary_of_layer, strict=True)
+        for layer, kv_cache, meta, rotary in inner:
             x, residual = layer(x, residual, *rotations[rotary], kv_cache, meta)
-        layer, kv_cache, rotary = last
+        layer, kv_cache, meta, rotary = last
         x, residual = layer(x, residual, *rotations[rotary], kv_cache, meta, rows)
         return norm(x, residual)[0]
 

@@ -99,11 +99,6 @@ class ModelConfig:
         """The layer's sliding window; None: it attends to the whole context."""
         return None if layer in self.full_attention_layers else self.sliding_window
 
-    @property
-    def window_of_every_layer(self) -> int | None:
-        """The window every layer has, None where any attends to the whole context: what the KV cache may free."""
-        return None if self.full_attention_layers else self.sliding_window
-
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
         path = Path(model_dir) / "config.json"

@@ -20,13 +20,18 @@ from .speculative import accepted_prefix
 
 class ModelRunner:
     def __init__(self, model: Transformer, kv_caches: list, block_size: int, device: torch.device,
-                 batch_invariant: bool = False, graphs: DecodeGraphs | NoDecodeGraphs | None = None):
+                 batch_invariant: bool = False, graphs: DecodeGraphs | NoDecodeGraphs | None = None,
+                 layer_groups: list[int] | None = None):
+        """`layer_groups`: the KV-cache group whose block tables each layer reads (`kv_cache_groups.py`); None:
+        the first group's, in every layer."""
         self.model = model
         self.forward = model.bound()  # the model's forward with its calls bound (no module's hooks run)
         self.graphs = graphs or NoDecodeGraphs()
         self.device = device
         self.block_size = block_size
         self.kv_caches = kv_caches  # one per layer, as the engine's KVCacheFormat allocated them
+        self.layer_groups = layer_groups or [0] * len(kv_caches)
+        self.num_groups = max(self.layer_groups) + 1
         self.sampler = Sampler(model.ops)
         # The chunks attended as decode rows, each token on its own over its context: decode steps; in
         # batch-invariant mode (a model loaded so) every chunk, so that no token's attention depends on where its
@@ -49,16 +54,16 @@ class ModelRunner:
         the model's next), and the prompt log-probabilities of the chunks that asked for them, by sequence id."""
         # Decode tokens first, shortest context first: attended in groups; then prefill chunks one by one.
         chunks = sorted(out.chunks, key=lambda c: (not self.attends_by_row(c), c.start))
-        input_ids, positions, meta = self.prepare(chunks)
+        input_ids, positions, metas = self.prepare(chunks)
         sample_rows = _sample_rows(chunks)
-        if self.graphs.covers(meta):
-            hidden = self.graphs.run(input_ids, positions, meta)
+        if self.graphs.covers(metas):
+            hidden = self.graphs.run(input_ids, positions, metas)
         elif len(sample_rows) == len(input_ids) or any(map(scores_prompt, chunks)):
-            hidden = self.forward(input_ids, positions, self.kv_caches, meta)
+            hidden = self.forward(input_ids, positions, self.kv_caches, self.by_layer(metas))
         else:  # the sampled rows' final hidden states alone; a step sampling none keeps one (kernels take no
             # empty batch) and discards it
-            rows = sample_rows or [len(input_ids) - 1]
-            hidden = self.forward(input_ids, positions, self.kv_caches, meta, to_device(rows, torch.long, self.device))
+            rows = to_device(sample_rows or [len(input_ids) - 1], torch.long, self.device)
+            hidden = self.forward(input_ids, positions, self.kv_caches, self.by_layer(metas), rows)
         return self._sample(chunks, hidden, sample_rows), prompt_logprobs(self.model, chunks, hidden)
 
     def _sample(self, chunks: list[ScheduledChunk], hidden: torch.Tensor,
@@ -81,7 +86,12 @@ class ModelRunner:
             out[c.seq.seq_id] = choices
         return out
 
-    def prepare(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def by_layer(self, metas: list[AttentionMetadata]) -> list[AttentionMetadata]:
+        """Each layer's metadata: its KV-cache group's."""
+        return [metas[g] for g in self.layer_groups]
+
+    def prepare(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, list[AttentionMetadata]]:
+        """The step's token ids, positions and attention metadata, one per KV-cache group the layers read."""
         bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
@@ -89,25 +99,30 @@ class ModelRunner:
         for c in chunks:
             ids.extend(c.token_ids)
             pos.extend(range(c.start, c.start + c.num_tokens))
-        blocks = [c.block_table[p // bs] for c in chunks for p in range(c.start, c.start + c.num_tokens)]
         dev = self.device
         positions = to_device(pos, torch.long, dev)
+        offsets = positions % bs
         # A chunk with guesses is decode rows too, one per token, each seeing the context up to itself: all of
         # the step's keys are written before attention reads them.
         context_lens = [c.start + 1 + i for c in decodes for i in range(c.num_tokens)]
-        meta = AttentionMetadata(to_device(blocks, torch.long, dev), positions % bs, bs, context_lens, None, None, [])
-        if decodes:
-            width = max(len(c.block_table) for c in decodes)
-            meta.decode_block_tables = to_device([c.block_table + [0] * (width - len(c.block_table))
-                                                  for c in decodes for _ in range(c.num_tokens)], torch.long, dev)
-            meta.decode_context_lens = to_device(context_lens, torch.long, dev)
-        start = len(context_lens)
-        for c in chunks[len(decodes):]:
-            ctx = c.start + c.num_tokens
-            table = to_device(c.block_table[: cdiv(ctx, bs)], torch.long, dev)
-            meta.prefills.append(PrefillChunk(start, c.num_tokens, ctx, table))
-            start += c.num_tokens
-        return to_device(ids, torch.long, dev), positions, meta
+        decode_lens = to_device(context_lens, torch.long, dev) if decodes else None
+        metas = []
+        for g in range(self.num_groups):
+            blocks = [c.block_tables[g][p // bs] for c in chunks for p in range(c.start, c.start + c.num_tokens)]
+            meta = AttentionMetadata(to_device(blocks, torch.long, dev), offsets, bs, context_lens, None, decode_lens,
+                                     [])
+            if decodes:
+                width = max(len(c.block_tables[g]) for c in decodes)
+                meta.decode_block_tables = to_device([c.block_tables[g] + [0] * (width - len(c.block_tables[g]))
+                                                      for c in decodes for _ in range(c.num_tokens)], torch.long, dev)
+            start = len(context_lens)
+            for c in chunks[len(decodes):]:
+                ctx = c.start + c.num_tokens
+                table = to_device(c.block_tables[g][: cdiv(ctx, bs)], torch.long, dev)
+                meta.prefills.append(PrefillChunk(start, c.num_tokens, ctx, table))
+                start += c.num_tokens
+            metas.append(meta)
+        return to_device(ids, torch.long, dev), positions, metas
 
 
 def _sample_rows(chunks: list[ScheduledChunk]) -> list[int]:

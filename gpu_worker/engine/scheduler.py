@@ -101,7 +101,7 @@ class Scheduler:
             seq = chunk.seq
             if budget > 0 and chunk.num_tokens == 1 and chunk.sample and (k := self._max_guesses(seq, budget)) \
                     and self.kv.allocate_slots(seq, 1 + k):
-                chunk.max_guesses, chunk.block_table = k, self.kv.block_table(seq)
+                chunk.max_guesses, chunk.block_tables = k, self.kv.block_tables(seq)
                 guessing.append(chunk)
                 budget -= k
         if guessing:
@@ -140,7 +140,7 @@ class Scheduler:
 
     def _chunk(self, seq: Sequence, n: int) -> ScheduledChunk:
         start = seq.num_computed_tokens
-        return ScheduledChunk(seq, start, n, self.kv.block_table(seq), sample=start + n == seq.num_tokens)
+        return ScheduledChunk(seq, start, n, self.kv.block_tables(seq), sample=start + n == seq.num_tokens)
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv.free(seq)

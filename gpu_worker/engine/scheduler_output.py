@@ -10,7 +10,8 @@ from .sequence import Sequence
 
 @dataclass
 class ScheduledChunk:
-    """Run tokens [start, start + num_tokens) of `seq`; sample a token after them when `sample` is set.
+    """Run tokens [start, start + num_tokens) of `seq` (its KV in `block_tables`, one per KV-cache group); sample a
+    token after them when `sample` is set.
 
     A decode chunk may end in `guesses`, a proposer's tokens after the sequence's last (at most `max_guesses`, for
     which it holds KV slots): the step scores them too, and the sequence keeps those the model agrees with
@@ -19,7 +20,7 @@ class ScheduledChunk:
     seq: Sequence
     start: int
     num_tokens: int
-    block_table: list[int]
+    block_tables: list[list[int]]
     sample: bool
     guesses: list[int] = field(default_factory=list)
     max_guesses: int = 0

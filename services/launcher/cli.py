@@ -92,8 +92,8 @@ BENCHMARKS = {
                            "nothing lost"),
     "gpu": ("bench.gpu", "our engine on a GPU vs HF generate and the HBM roofline: batch-1 decode, concurrent "
                          "requests, Triton kernels"),
-    "kv-window": ("bench.kv_window", "sliding-window attention vs full attention: KV blocks a sequence holds at 1x to "
-                                     "8x its window"),
+    "kv-window": ("bench.kv_window", "sliding-window and hybrid attention vs full attention: KV a sequence holds "
+                                     "at 1x to 8x its window"),
     "faults": ("bench.faults", "`tokenfleet up` through a Redis kill and a whole-stack kill vs what its clients got: "
                                "recovery, ledger rows"),
 }

@@ -34,6 +34,11 @@ BUILTIN_MODELS = {
     "tokenfleet-sliding": ("mistral", dict(hidden_size=256, num_hidden_layers=6, num_attention_heads=8,
                                            num_key_value_heads=4, intermediate_size=768, tie_word_embeddings=True,
                                            sliding_window=256)),
+    # tokenfleet-small's shape as a Gemma 3: five sliding layers (window 256) to one full one, a table each
+    "tokenfleet-hybrid": ("gemma3_text", dict(hidden_size=256, num_hidden_layers=6, num_attention_heads=8,
+                                              num_key_value_heads=4, head_dim=32, intermediate_size=768,
+                                              tie_word_embeddings=True, sliding_window=256,
+                                              layer_types=["sliding_attention"] * 5 + ["full_attention"])),
     # A Qwen3-MoE of ~0.5 B parameters, 32 experts of which each token runs 4: its active parameters are
     # tokenfleet-large's (4 experts of 512 = one MLP of 2048), the dense model to weigh its routing against.
     "tokenfleet-moe": ("qwen3_moe", dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,

@@ -29,14 +29,14 @@ def test_blocks_are_allocated_only_when_a_sequence_crosses_a_block_boundary():
     kv = KVCacheManager(num_blocks=8, block_size=BLOCK_SIZE)
     a, b = make_seq(1, 5), make_seq(2, 3)
     assert grow(kv, a, 5)
-    assert kv.block_table(a) == [0, 1]
+    assert kv.block_tables(a)[0] == [0, 1]
     assert grow(kv, b, 3)
-    assert kv.block_table(b) == [2]
+    assert kv.block_tables(b)[0] == [2]
     for _ in range(3):  # tokens 6..8 of `a` fit in its second block
         assert grow(kv, a, 1)
-    assert kv.block_table(a) == [0, 1]
+    assert kv.block_tables(a)[0] == [0, 1]
     assert grow(kv, a, 1)  # token 9 opens a third block
-    assert kv.block_table(a) == [0, 1, 3]
+    assert kv.block_tables(a)[0] == [0, 1, 3]
     assert kv.pool.num_used == 4 and kv.pool.num_free == 4
 
 
@@ -47,8 +47,8 @@ def test_freeing_a_sequence_returns_all_its_blocks():
     grow(kv, b, 4)
     kv.free(a)
     assert kv.pool.num_free == 7
-    assert a.seq_id not in kv.block_tables
-    assert kv.block_table(b) == [3]
+    assert a.seq_id not in kv.tables
+    assert kv.block_tables(b)[0] == [3]
     kv.free(b)
     assert kv.pool.num_free == 8 and kv.usage == 0.0
     assert sorted(kv.pool.allocate(8)) == list(range(8)), "every block must be allocatable again"
@@ -62,8 +62,8 @@ def test_fork_shares_full_prompt_blocks_but_leaves_at_least_one_token_to_compute
     skipped = kv.fork(parent, child)
     assert skipped == shared_blocks * BLOCK_SIZE
     assert skipped < prompt_len
-    assert kv.block_table(child) == kv.block_table(parent)[:shared_blocks]
-    assert kv.pool.num_used == len(kv.block_table(parent)), "sharing must not allocate new blocks"
+    assert kv.block_tables(child)[0] == kv.block_tables(parent)[0][:shared_blocks]
+    assert kv.pool.num_used == len(kv.block_tables(parent)[0]), "sharing must not allocate new blocks"
 
 
 def test_shared_blocks_are_freed_only_when_both_sequences_are_freed():
@@ -72,14 +72,14 @@ def test_shared_blocks_are_freed_only_when_both_sequences_are_freed():
     grow(kv, parent, 10)  # blocks 0, 1 full, block 2 partial
     child.num_computed_tokens = kv.fork(parent, child)
     assert grow(kv, child, 10 - child.num_computed_tokens)
-    assert kv.block_table(child) == [0, 1, 3]
+    assert kv.block_tables(child)[0] == [0, 1, 3]
     assert kv.pool.num_used == 4
 
     kv.free(parent)
     assert kv.pool.num_used == 3, "only the parent's private block 2 may be freed"
     other = make_seq(3, 20)
     assert grow(kv, other, 20), "the 5 free blocks are usable"
-    assert not set(kv.block_table(other)) & {0, 1, 3}, "blocks the child still holds must not be handed out"
+    assert not set(kv.block_tables(other)[0]) & {0, 1, 3}, "blocks the child still holds must not be handed out"
 
     kv.free(child)
     kv.free(other)
@@ -113,9 +113,9 @@ def test_failed_allocation_returns_false_and_allocates_nothing():
     a, b = make_seq(1, 8), make_seq(2, 9)
     assert grow(kv, a, 8)
     assert not kv.allocate_slots(a, 8), "16 tokens need 4 blocks; only 3 exist"
-    assert kv.block_table(a) == [0, 1]
+    assert kv.block_tables(a)[0] == [0, 1]
     assert not kv.allocate_slots(b, 9), "9 tokens need 3 blocks; 1 is free"
-    assert kv.block_tables.get(b.seq_id, []) == []
+    assert kv.tables.get(b.seq_id, []) == []
     assert kv.pool.num_free == 1
     assert kv.allocate_slots(b, 4), "the free block is still there after the failures"
 

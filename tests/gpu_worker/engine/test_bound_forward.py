@@ -30,10 +30,10 @@ def _one_step_both_ways(llm: LLM) -> tuple[torch.Tensor, torch.Tensor]:
         engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     engine.step()  # the prompts' prefill: the next step decodes every request
     out = engine.scheduler.schedule()
-    ids, positions, meta = runner.prepare(sorted(out.chunks, key=lambda c: c.start))
+    ids, positions, metas = runner.prepare(sorted(out.chunks, key=lambda c: c.start))
     with torch.inference_mode():
-        return (runner.model(ids, positions, runner.kv_caches, meta),
-                runner.forward(ids, positions, runner.kv_caches, meta))
+        return (runner.model(ids, positions, runner.kv_caches, runner.by_layer(metas)),
+                runner.forward(ids, positions, runner.kv_caches, runner.by_layer(metas)))
 
 
 @pytest.mark.parametrize("dtype", [

@@ -75,7 +75,7 @@ def test_n_samples_share_the_prompt_blocks(make_checkpoint):
     engine.add_request("fork", prompt, SamplingParams(n=4, temperature=1.0, seed=5, max_tokens=4,
                                                       ignore_eos=True))
     engine.step()  # sample 0 prefills the prompt; the other three fork from it
-    tables = [engine.kv.block_tables[s.seq_id] for s in engine.requests["fork"].seqs]
+    tables = [engine.kv.tables[s.seq_id][0] for s in engine.requests["fork"].seqs]
     assert all(t[:6] == tables[0][:6] for t in tables)
     engine.step()  # each fork computes its own prompt tail into one block of its own
     assert engine.kv.pool.num_used == 7 + 3 * 1  # unshared it would be 4 * 7

@@ -52,7 +52,8 @@ def test_the_sampled_rows_get_the_full_forwards_hidden_states_and_every_rows_key
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(f"r{i}", prompt, GREEDY)
     chunks = sorted(engine.scheduler.schedule().chunks, key=lambda c: c.start)
-    ids, positions, meta = runner.prepare(chunks)
+    ids, positions, metas = runner.prepare(chunks)
+    meta = runner.by_layer(metas)
     last_rows = torch.tensor([6, 10, 12])  # each prompt's last row in the step
     with torch.inference_mode():
         for cache in runner.kv_caches:

@@ -30,10 +30,10 @@ def _run_prefill(kv: KVCacheManager, seq: Sequence) -> int:
 def test_a_second_request_with_the_same_prefix_reuses_its_full_blocks_and_counts_the_hit():
     kv = KVCacheManager(num_blocks=16, block_size=BS)
     first = _seq(1, list(range(10)))  # blocks [0-3] [4-7] and a partial [8, 9]
-    assert _run_prefill(kv, first) == 0 and kv.block_table(first) == [0, 1, 2]
+    assert _run_prefill(kv, first) == 0 and kv.block_tables(first)[0] == [0, 1, 2]
     second = _seq(2, list(range(8)) + [50, 51, 52])
     assert _run_prefill(kv, second) == 8
-    assert kv.block_table(second)[:2] == [0, 1] and kv.block_table(second)[2] == 3
+    assert kv.block_tables(second)[0][:2] == [0, 1] and kv.block_tables(second)[0][2] == 3
     assert (kv.num_queried_tokens, kv.num_hit_tokens) == (21, 8)
 
 
@@ -58,7 +58,7 @@ def test_freed_cached_blocks_are_reused_until_evicted_tail_first():
     assert kv.pool.num_free == 4 and kv.pool.num_cached == 3
     other = _seq(2, [90, 91, 92, 93, 94])  # needs 2 blocks: the partial one, then the tail full block (2)
     _run_prefill(kv, other)
-    assert sorted(kv.block_table(other)) == [2, 3] and kv.pool.num_evicted == 1
+    assert sorted(kv.block_tables(other)[0]) == [2, 3] and kv.pool.num_evicted == 1
     kv.free(other)
     assert _run_prefill(kv, _seq(3, list(range(9)))) == 8  # the head blocks 0 and 1 survived
 
@@ -69,7 +69,7 @@ def test_a_shared_system_prompt_occupies_its_blocks_once_across_sixteen_requests
     seqs = [_seq(i, system + [i, i + 1]) for i in range(16)]
     for seq in seqs:
         _run_prefill(kv, seq)
-    assert all(kv.block_table(s)[:4] == kv.block_table(seqs[0])[:4] for s in seqs)
+    assert all(kv.block_tables(s)[0][:4] == kv.block_tables(seqs[0])[0][:4] for s in seqs)
     assert kv.pool.num_used == 4 + 16
 
 
@@ -93,7 +93,7 @@ def checkpoint(make_checkpoint):
     return str(make_checkpoint("llama"))
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3-moe"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3-moe", "gemma3", "gpt-oss"])  # the last two: windows of 40 tokens
 @pytest.mark.parametrize("budget", [2048, 32], ids=["whole-prefill", "chunked-prefill"])
 def test_outputs_are_identical_with_prefix_caching_on_and_off(make_checkpoint, arch, budget):
     checkpoint = str(make_checkpoint(arch))

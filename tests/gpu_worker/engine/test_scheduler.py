@@ -135,7 +135,7 @@ def test_forked_sample_starts_after_the_shared_prompt_blocks():
     sched.add(parent)
     step(sched)
     assert child in sched.running and child.num_computed_tokens == 8
-    assert sched.kv.block_table(child) == sched.kv.block_table(parent)[:2]
+    assert sched.kv.block_tables(child)[0] == sched.kv.block_tables(parent)[0][:2]
     assert scheduled(step(sched)) == [(1, 10, 1), (2, 8, 2)]
 
 
@@ -198,7 +198,7 @@ def test_pool_is_all_free_after_a_workload_with_chunks_forks_and_preemptions():
         assert sched.kv.partial_block_waste(sched.running) <= len(sched.running) * 3
     assert not sched.has_unfinished
     assert sched.num_preemptions > 0, "the workload is meant to exercise preemption"
-    assert sched.kv.pool.num_free == 24 and sched.kv.block_tables == {}
+    assert sched.kv.pool.num_free == 24 and sched.kv.tables == {}
 
 
 class FixedGuesses(Proposer):

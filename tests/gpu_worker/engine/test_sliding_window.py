@@ -82,7 +82,7 @@ def test_a_window_inside_a_chunk_with_nothing_cached_masks_the_chunk_itself():
 
 
 def test_a_sequence_far_past_the_window_holds_the_windows_blocks_and_gives_the_rest_back():
-    kv = KVCacheManager(num_blocks=64, block_size=BLOCK_SIZE, window=10)
+    kv = KVCacheManager(num_blocks=64, block_size=BLOCK_SIZE, windows=[10])
     seq = make_seq(1, 200)
     held = []
     while seq.num_computed_tokens < 200:
@@ -90,7 +90,7 @@ def test_a_sequence_far_past_the_window_holds_the_windows_blocks_and_gives_the_r
         held.append(kv.num_held_blocks(seq))
     # the next chunk's first query sees the 9 tokens before it, which span at most 3 blocks (plus the chunk's own)
     assert max(held) <= cdiv(10 - 1 + 3, BLOCK_SIZE) + 1
-    table = kv.block_table(seq)
+    table = kv.block_tables(seq)[0]
     live = [b for b in table if b != FREED]
     assert table[:len(table) - len(live)] == [FREED] * (len(table) - len(live))  # freed entries lead
     assert kv.pool.num_used == len(live)
@@ -103,17 +103,17 @@ def test_without_a_window_a_sequence_keeps_every_block():
     seq = make_seq(1, 200)
     while seq.num_computed_tokens < 200:
         grow(kv, seq, 4)
-    assert kv.num_held_blocks(seq) == 50 and FREED not in kv.block_table(seq)
+    assert kv.num_held_blocks(seq) == 50 and FREED not in kv.block_tables(seq)[0]
 
 
 def test_a_child_forked_past_the_window_recomputes_its_prompt_rather_than_read_a_freed_block():
-    kv = KVCacheManager(num_blocks=64, block_size=BLOCK_SIZE, window=6)
+    kv = KVCacheManager(num_blocks=64, block_size=BLOCK_SIZE, windows=[6])
     parent, child = make_seq(1, 40), make_seq(2, 40)
     while parent.num_computed_tokens < 40:
         grow(kv, parent, 3)
     skipped = kv.fork(parent, child)
     first_needed = max(0, skipped - 6 + 1) // BLOCK_SIZE
-    assert FREED not in kv.block_table(child)[first_needed:]
+    assert FREED not in kv.block_tables(child)[0][first_needed:]
     child.num_computed_tokens = skipped
     while child.num_computed_tokens < 40:
         assert grow(kv, child, 3)
@@ -122,12 +122,28 @@ def test_a_child_forked_past_the_window_recomputes_its_prompt_rather_than_read_a
     assert kv.pool.num_free == 64
 
 
-def test_an_engine_serving_a_sliding_model_holds_about_one_window_of_blocks_at_eight_windows(make_checkpoint):
-    """`tokenfleet bench kv-window`'s figure, on a small model: blocks in use at 8x the window <= 1.25x at 1x."""
-    from bench.kv_window import peak_blocks
+def test_an_engine_serving_a_sliding_model_holds_about_one_window_of_kv_at_eight_windows(make_checkpoint):
+    """`tokenfleet bench kv-window`'s figure, on a small model: KV in use at 8x the window <= 1.25x at 1x."""
+    from bench.kv_window import peak_layer_blocks
     from gpu_worker.engine import LLM
 
     llm = LLM(str(make_checkpoint("mistral", sliding_window=64)), dtype="float32", block_size=8,
               enable_prefix_caching=False, kv_cache_memory_bytes=8 << 20)
-    peaks = peak_blocks(llm, 64, (1, 8))
-    assert peaks[1] == 8 and peaks[8] <= 1.25 * peaks[1]
+    peaks = peak_layer_blocks(llm, 64, (1, 8))
+    assert peaks[1] == 8 * 2 and peaks[8] <= 1.25 * peaks[1]
+
+
+def test_an_engine_serving_a_hybrid_model_holds_its_full_layers_kv_and_a_window_in_each_sliding_layer(
+        make_checkpoint):
+    """Gemma 3's pattern, five sliding layers to one full one: at 8x the window, the full layer's blocks and one
+    window's in each sliding layer (`tokenfleet bench kv-window`'s hybrid figure), a third of full attention's."""
+    from bench.kv_window import hybrid_bound, peak_layer_blocks
+    from gpu_worker.engine import LLM
+
+    model = make_checkpoint("gemma3", sliding_window=64, num_hidden_layers=6,
+                            layer_types=None)  # 5:1, the default pattern
+    llm = LLM(str(model), dtype="float32", block_size=8, enable_prefix_caching=False, kv_cache_memory_bytes=8 << 20)
+    assert [llm.engine.model_config.window_of(i) for i in range(6)] == [64] * 5 + [None]
+    held = peak_layer_blocks(llm, 64, (8,))[8]
+    assert held <= hybrid_bound(llm.engine.model_config, 8 * 64, 8)
+    assert held < 6 * 64 / 3, "full attention in every layer: 64 blocks of 8 tokens in each of 6 layers"

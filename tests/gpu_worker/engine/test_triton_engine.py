@@ -44,9 +44,9 @@ def _with_decode_graphs(llm: LLM, max_num_seqs: int) -> Counter:
     """Decode steps through DecodeGraphs over a cache with one padding block more, as the engine builds them on
     CUDA; returns the count of replays by bucket."""
     engine, runner = llm.engine, llm.engine.runner
-    cfg, num_blocks, bs = engine.model_config, engine.kv.pool.num_blocks, engine.block_size
-    runner.kv_caches = engine.kv_format.allocate(cfg.num_layers, num_blocks + 1, bs, cfg.num_kv_heads, cfg.head_dim,
-                                                 torch.device("cpu"))
+    cfg, num_blocks, bs, layout = engine.model_config, engine.kv.pool.num_blocks, engine.block_size, engine.kv_layout
+    runner.kv_caches = layout.caches_by_layer(engine.kv_format.allocate(
+        layout.num_slots, num_blocks + 1, bs, cfg.num_kv_heads, cfg.head_dim, torch.device("cpu")))
     replays = Counter()
 
     def capture(forward, pool):
@@ -57,7 +57,7 @@ def _with_decode_graphs(llm: LLM, max_num_seqs: int) -> Counter:
 
         return replay
 
-    runner.graphs = DecodeGraphs(runner.model, runner.kv_caches, bs, max_num_seqs,
+    runner.graphs = DecodeGraphs(runner.model, runner.kv_caches, runner.layer_groups, bs, max_num_seqs,
                                  cdiv(engine.max_model_len, bs) + 1, num_blocks, torch.device("cpu"), capture)
     runner.graphs.capture_all()
     return replays
@@ -101,3 +101,16 @@ def test_decode_graphs_pad_each_step_to_its_bucket_and_change_no_token(make_chec
     assert _greedy(prompts, max_new, llm) == hf_greedy(model_dir, prompts, max_new)
     assert replays == {4: 4, 2: 1, 1: 2}
     assert llm.engine.kv.pool.num_free == llm.engine.kv.pool.num_blocks
+
+
+def test_decode_graphs_of_a_hybrid_model_read_each_groups_tables(make_checkpoint, workload):
+    """Gemma 3: a sliding layer (window 40, shorter than these prompts) and a full one, each reading block tables of
+    its own group through the graphs' static buffers."""
+    model_dir = make_checkpoint("gemma3")
+    longer = [(p, n) for p, n in zip(*workload, strict=True) if len(p) > 40][:2]
+    prompts, max_new = [p for p, _ in longer], [n + 4 for _, n in longer]
+    llm = _on_triton(_llm(model_dir, max_num_seqs=2, block_size=16))
+    assert llm.engine.kv_layout.windows == [None, 40]
+    replays = _with_decode_graphs(llm, max_num_seqs=2)
+    assert _greedy(prompts, max_new, llm) == hf_greedy(model_dir, prompts, max_new)
+    assert sum(replays.values()) > 0
