@@ -231,15 +231,6 @@ def _cuda_kernels(config: EngineConfig, dtype: torch.dtype, device: torch.device
                      CudaLinears(dtype, triton), config.deterministic, decode_graphs=graphs)
 
 
-def triton_moe_serves(*weights: torch.Tensor | None) -> bool:
-    """Whether `kernels/triton_moe.fused_moe` takes a mixture whose experts' weights are these: dense float tensors
-    of one dtype on CUDA (a quantized linear's weight is None), with Triton importable. Else each expert's `MLP`
-    serves (`moe.mixture`)."""
-    dtype = weights[0].dtype if weights and isinstance(weights[0], torch.Tensor) else None
-    return (dtype in (torch.float16, torch.bfloat16, torch.float32) and triton_available()
-            and all(isinstance(w, torch.Tensor) and w.is_cuda and w.dtype == dtype for w in weights))
-
-
 def kernel_summary(model: nn.Module, kernels: KernelSet) -> str:
     """Which kernels serve the model, for the start-up log; on CPU also what they were chosen by (the CPU, the
     instruction sets chosen for, the threads and the CPUs this process may run on)."""

@@ -9,10 +9,7 @@ import torch
 from torch import nn
 
 from .linear import Linear
-from .ops import TorchOps
-
-# HF's `hidden_act` -> the op computing act(gate) * up
-GATED_ACTIVATIONS = {"silu": "silu_and_mul", "gelu_pytorch_tanh": "gelu_tanh_and_mul"}
+from .ops import GATED_ACTIVATIONS, TorchOps
 
 
 class MLP(nn.Module):

@@ -10,7 +10,7 @@ import torch
 
 from services.text.errors import ModelLoadError
 
-from .mlp import GATED_ACTIVATIONS
+from .ops import GATED_ACTIVATIONS
 
 # architecture name in config.json -> whether q/k/v projections carry a bias
 SUPPORTED_ARCHITECTURES = {
@@ -77,7 +77,7 @@ class ModelConfig:
     sliding_window: int | None = None  # each token sees itself and the window - 1 before it, in every layer but:
     full_attention_layers: frozenset[int] = frozenset()  # (hybrid models: Qwen2 below max_window_layers, Gemma)
     moe: MoEConfig | None = None
-    hidden_act: str = "silu"  # the gated MLP's activation (`mlp.GATED_ACTIVATIONS`)
+    hidden_act: str = "silu"  # the gated MLP's activation (`ops.GATED_ACTIVATIONS`)
     # Gemma's: norms scale by 1 + weight, embeddings by √hidden; norms after attention and MLP too ("sandwich");
     # scores scaled by query_pre_attn_scalar ** -0.5 and (Gemma 2) attention scores and final logits soft-capped;
     # (Gemma 3) sliding layers with a rotary of their own, (theta, scaling).

@@ -19,10 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .kernel_choice import triton_moe_serves
-from .mlp import GATED_ACTIVATIONS, MLP, ClampedSwiGLUMLP
+from .mlp import MLP, ClampedSwiGLUMLP
 from .model_config import MoEConfig
-from .ops import TorchOps
+from .ops import GATED_ACTIVATIONS, TorchOps
 
 
 class SparseMoE(nn.Module):
@@ -33,27 +32,37 @@ class SparseMoE(nn.Module):
         self.top_k, self.renormalize, self.softmax_over_top_k = (moe.experts_per_token, moe.renormalize,
                                                                  moe.softmax_over_top_k)
         # gpt-oss's biased, clamped experts are not the fused kernel's SwiGLU: they are grouped (`mixture`)
-        self.fused = ops.fused_moe if moe.clamped_swiglu is None else None
+        self.ops = ops if moe.clamped_swiglu is None else TorchOps()
+        self._stacked: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return mixture(self.route, list(self.experts), x)
 
     def bound(self) -> Callable:
-        stacked = self._stacked_weights() if self.fused is not None else None
+        """The fused kernel for the steps whose row count its ops take (`fused_moe_takes`), each expert's own
+        kernels over its grouped rows for the others (`mixture`)."""
+        grouped = functools.partial(mixture, self._router(), [expert.bound() for expert in self.experts])
+        stacked = self._stacked_weights()
         if stacked is None:
-            return functools.partial(mixture, self._router(), [expert.bound() for expert in self.experts])
-        return functools.partial(_fused_mixture, self.fused, self._router(), *stacked)
+            return grouped
+        takes = functools.partial(self.ops.fused_moe_takes, num_experts=len(self.experts), top_k=self.top_k)
+        fused = functools.partial(_fused_mixture, self.ops.fused_moe, self._router(), *stacked)
+        return functools.partial(_fused_or_grouped, takes, fused, grouped)
 
     def _stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The experts' gate_up [E, 2I, H] and down [E, H, I] weights stacked for the fused kernel, each expert's
-        linears then reading views of them (the weights are held once); None where the kernel does not take them."""
+        linears then reading views of them (the weights are held once; stacked on the first call); None where the
+        kernel does not take them."""
         gate_ups, downs = [e.gate_up_proj.weight for e in self.experts], [e.down_proj.weight for e in self.experts]
-        if not triton_moe_serves(*gate_ups, *downs):
+        if not self.ops.fused_moe_serves(*gate_ups, *downs):
             return None
-        stacked = torch.stack([w.detach() for w in gate_ups]), torch.stack([w.detach() for w in downs])
-        for e, expert in enumerate(self.experts):
-            expert.gate_up_proj.weight.data, expert.down_proj.weight.data = stacked[0][e], stacked[1][e]
-        return stacked
+        if self._stacked is None or any(w.data_ptr() != s.data_ptr() for w, s in zip(gate_ups, self._stacked[0],
+                                                                                      strict=True)):
+            self._stacked = torch.stack([w.detach() for w in gate_ups]), torch.stack([w.detach() for w in downs])
+            for e, expert in enumerate(self.experts):
+                expert.gate_up_proj.weight.data = self._stacked[0][e]
+                expert.down_proj.weight.data = self._stacked[1][e]
+        return self._stacked
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self._router()(x)
@@ -91,6 +100,11 @@ def route_top_k_softmax(gate: torch.Tensor, bias: torch.Tensor | None, top_k: in
     alone (in float32, as `route`)."""
     logits, experts = torch.topk(F.linear(x.float(), gate, bias), top_k, dim=-1)
     return torch.softmax(logits, dim=-1).to(x.dtype), experts
+
+
+def _fused_or_grouped(takes: Callable[[int], bool], fused: Callable, grouped: Callable,
+                      x: torch.Tensor) -> torch.Tensor:
+    return fused(x) if takes(x.shape[0]) else grouped(x)
 
 
 def _fused_mixture(fused: Callable, route: Callable, gate_up: torch.Tensor, down: torch.Tensor,

@@ -49,11 +49,25 @@ def rotary_reference_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, h
     qk.copy_(apply_rotary(qk, cos[:, None, :], sin[:, None, :]))
 
 
+# HF's `hidden_act` -> the op computing act(gate) * up
+GATED_ACTIVATIONS = {"silu": "silu_and_mul", "gelu_pytorch_tanh": "gelu_tanh_and_mul"}
+
+
 class TorchOps:
     """The references: what the kernels are tested against, and what serves where none applies."""
 
     module = None  # the native module whose kernels serve, if any
-    fused_moe = None  # a mixture of experts in one kernel (`moe.SparseMoE`), where there is one
+    # A mixture of experts in one kernel over its experts' stacked weights (`moe.SparseMoE`), where there is one:
+    # fused_moe(x, w_gate_up, w_down, weights, experts, activation), `moe.fused_moe_reference`'s contract.
+    fused_moe = None
+
+    def fused_moe_serves(self, *weights: torch.Tensor | None) -> bool:
+        """Whether `fused_moe` takes experts whose weights are these (a quantized linear's weight is None)."""
+        return False
+
+    def fused_moe_takes(self, rows: int, num_experts: int, top_k: int) -> bool:
+        """Whether `fused_moe` serves a step of `rows` rows (else each expert's kernels do, `moe.mixture`)."""
+        return True
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm_reference(x, weight, eps)
@@ -85,6 +99,10 @@ class TorchOps:
         return logits.argmax(dim=-1)
 
 
+# The most (token, expert) pairs per expert, on average, for which the native grouped product serves a mixture.
+FUSED_MOE_PAIRS_PER_EXPERT = 8
+
+
 class NativeCpuOps(TorchOps):
     """bf16 on CPU by a native module's kernels (`kernels.NativeKernels.bf16`): contiguous bf16 tensors whose rows
     (or heads) are a multiple of 32 wide."""
@@ -112,6 +130,36 @@ class NativeCpuOps(TorchOps):
     def argmax(self, logits):
         return self.module.argmax_bf16(logits) if _takes(logits) else super().argmax(logits)
 
+    def fused_moe_serves(self, *weights):
+        return (hasattr(self.module, "grouped_mm_bf16") and len(weights) > 0
+                and all(isinstance(w, torch.Tensor) and w.device.type == "cpu" and _takes(w, w.shape[-1])
+                        for w in weights))
+
+    def fused_moe_takes(self, rows, num_experts, top_k):
+        """Decode-sized steps: more than one row (one row's k experts run faster one by one, `moe.mixture`), and a
+        few pairs per expert, where one call over all experts saves a parallel region per expert and projection;
+        past them oneDNN's blocked matmul per expert wins (`tokenfleet bench engine --model tokenfleet-moe`)."""
+        return rows > 1 and rows * top_k <= FUSED_MOE_PAIRS_PER_EXPERT * num_experts
+
+    def fused_moe(self, x, w_gate_up, w_down, weights, experts, activation="silu"):
+        """The token-expert pairs sorted by expert, each projection one native call over every expert chosen
+        (`grouped_mm_bf16`), the pairs' outputs weighted and added to their tokens in ascending expert order, as
+        `moe.mixture` adds them."""
+        tokens, k = experts.shape
+        experts, ascending = experts.sort(dim=1)
+        pairs = experts.flatten()
+        order = torch.argsort(pairs, stable=True)
+        offsets = F.pad(torch.bincount(pairs, minlength=w_gate_up.shape[0]).cumsum(0), (1, 0))
+        act = getattr(self, GATED_ACTIVATIONS[activation])
+        grouped = act(self.module.grouped_mm_bf16(x[order // k], w_gate_up, offsets))
+        per_pair = torch.empty(tokens * k, x.shape[1], dtype=x.dtype)
+        per_pair[order] = self.module.grouped_mm_bf16(grouped, w_down, offsets)
+        per_pair = (per_pair * weights.gather(1, ascending).flatten()[:, None]).view(tokens, k, -1)
+        out = per_pair[:, 0].clone()
+        for j in range(1, k):
+            out += per_pair[:, j]
+        return out
+
 
 def _takes(x: torch.Tensor, vector_width: int = 0) -> bool:
     return x.dtype == torch.bfloat16 and vector_width % 32 == 0 and x.is_contiguous()
@@ -125,6 +173,7 @@ class TritonOps(TorchOps):
 
         self.triton = triton_ops
         self.fused_moe = triton_moe.fused_moe
+        self.fused_moe_serves = triton_moe.serves
 
     def rms_norm(self, x, weight, eps):
         return self.triton.rms_norm(x, weight, eps)[0] if x.is_contiguous() else super().rms_norm(x, weight, eps)

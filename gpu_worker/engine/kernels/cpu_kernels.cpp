@@ -135,6 +135,29 @@ static inline void tile_rows_bf16(int64_t nr, const uint16_t* x, const uint16_t*
   tile_dot_bf16<MR, NR>(x, w, K, y, N);
 }
 
+// y[:, n0:n1] = x[M, K] @ w[n0:n1, K]^T, the batch-invariant tiles over one block of w's rows: each thread's unit of
+// work, passing all of x over the block while it is in cache.
+static void mm_block_bf16(const uint16_t* xp, int64_t M, const uint16_t* wp, int64_t K, uint16_t* yp, int64_t N,
+                          int64_t n0, int64_t n1) {
+  for (int64_t m = 0; m < M; m += 4) {
+    const int64_t mr = std::min<int64_t>(4, M - m), wide = 16 / mr;
+    for (int64_t n = n0; n < n1; n += wide) {
+      const int64_t nr = std::min(wide, n1 - n);
+      const uint16_t* xm = xp + m * K;
+      const uint16_t* wn = wp + n * K;
+      uint16_t* ym = yp + m * N + n;
+      switch (mr) {
+        case 1: tile_rows_bf16<1>(nr, xm, wn, K, ym, N); break;
+        case 2: tile_rows_bf16<2>(nr, xm, wn, K, ym, N); break;
+        case 3: tile_rows_bf16<3>(nr, xm, wn, K, ym, N); break;
+        default: tile_rows_bf16<4>(nr, xm, wn, K, ym, N); break;
+      }
+    }
+  }
+}
+
+constexpr int64_t kBlockN = 16;
+
 at::Tensor rowwise_mm_bf16(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16, "x must be [M, K] contiguous bf16");
   TORCH_CHECK(w.is_contiguous() && w.scalar_type() == at::kBFloat16 && w.size(1) == x.size(1) && w.size(1) % 32 == 0,
@@ -144,23 +167,54 @@ at::Tensor rowwise_mm_bf16(const at::Tensor& x, const at::Tensor& w) {
   const auto* xp = static_cast<const uint16_t*>(x.data_ptr());
   const auto* wp = static_cast<const uint16_t*>(w.data_ptr());
   auto* yp = static_cast<uint16_t*>(y.data_ptr());
-  // Each thread takes contiguous blocks of 16 rows of w and passes all of x over a block while it is in cache.
-  constexpr int64_t kBlockN = 16;
 #pragma omp parallel for schedule(static)
-  for (int64_t block = 0; block < (N + kBlockN - 1) / kBlockN; block++) {
-    const int64_t n0 = block * kBlockN, n1 = std::min(N, n0 + kBlockN);
-    for (int64_t m = 0; m < M; m += 4) {
-      const int64_t mr = std::min<int64_t>(4, M - m), wide = 16 / mr;
-      for (int64_t n = n0; n < n1; n += wide) {
-        const int64_t nr = std::min(wide, n1 - n);
+  for (int64_t block = 0; block < (N + kBlockN - 1) / kBlockN; block++)
+    mm_block_bf16(xp, M, wp, K, yp, N, block * kBlockN, std::min(N, (block + 1) * kBlockN));
+  return y;
+}
+
+// A mixture of experts' grouped product for decode-sized steps: rows offsets[e] .. offsets[e + 1] of x (the
+// token-expert pairs sorted by expert) times expert e's w[e]^T, for every expert at once, in one parallel loop over
+// (expert, block of its rows of w) for the experts any row chose, where a loop over the experts would start a
+// parallel region per expert and projection. Each thread takes one contiguous run of those blocks, as gemv_bf16
+// reads a weight: long sequential streams. A block's rows are gemv_bf16's products over up to kGemvRows rows of x at
+// a time; each output is one chain over K whatever the other rows. w [E, N, K] contiguous, K % 32 == 0.
+at::Tensor grouped_mm_bf16(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offsets) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16, "x must be [P, K] contiguous bf16");
+  TORCH_CHECK(w.dim() == 3 && w.is_contiguous() && w.scalar_type() == at::kBFloat16 && w.size(2) == x.size(1) &&
+                  w.size(2) % 32 == 0, "w must be [E, N, K] contiguous bf16, K % 32 == 0");
+  TORCH_CHECK(offsets.dim() == 1 && offsets.size(0) == w.size(0) + 1 && offsets.scalar_type() == at::kLong &&
+                  offsets.is_contiguous(), "offsets must be [E + 1] int64");
+  const int64_t E = w.size(0), N = w.size(1), K = w.size(2);
+  const auto* off = offsets.data_ptr<int64_t>();
+  TORCH_CHECK(off[0] == 0 && off[E] == x.size(0), "offsets must run from 0 to x's rows");
+  auto y = at::empty({x.size(0), N}, x.options());
+  const auto* xp = static_cast<const uint16_t*>(x.data_ptr());
+  const auto* wp = static_cast<const uint16_t*>(w.data_ptr());
+  auto* yp = static_cast<uint16_t*>(y.data_ptr());
+  const int64_t blocks = (N + kBlockN - 1) / kBlockN;
+  std::vector<int64_t> chosen;
+  for (int64_t e = 0; e < E; e++) {
+    TORCH_CHECK(off[e + 1] >= off[e], "offsets must not decrease");
+    if (off[e + 1] > off[e]) chosen.push_back(e);
+  }
+  const int64_t items = static_cast<int64_t>(chosen.size()) * blocks;
+#pragma omp parallel for schedule(static)
+  for (int64_t item = 0; item < items; item++) {
+    const int64_t e = chosen[item / blocks], block = item % blocks;
+    const int64_t n0 = block * kBlockN, n1 = std::min(N, n0 + kBlockN), M = off[e + 1] - off[e];
+    const uint16_t* we = wp + e * N * K;
+    for (int64_t m = off[e]; m < off[e] + M; m += kGemvRows) {
+      const int64_t mr = std::min(kGemvRows, off[e] + M - m);
+      for (int64_t n = n0; n < n1; n++) {
         const uint16_t* xm = xp + m * K;
-        const uint16_t* wn = wp + n * K;
         uint16_t* ym = yp + m * N + n;
         switch (mr) {
-          case 1: tile_rows_bf16<1>(nr, xm, wn, K, ym, N); break;
-          case 2: tile_rows_bf16<2>(nr, xm, wn, K, ym, N); break;
-          case 3: tile_rows_bf16<3>(nr, xm, wn, K, ym, N); break;
-          default: tile_rows_bf16<4>(nr, xm, wn, K, ym, N); break;
+          case 1: rows_dot_bf16<1>(xm, we + n * K, K, ym, N); break;
+          case 2: rows_dot_bf16<2>(xm, we + n * K, K, ym, N); break;
+          case 3: rows_dot_bf16<3>(xm, we + n * K, K, ym, N); break;
+          case 4: rows_dot_bf16<4>(xm, we + n * K, K, ym, N); break;
+          default: rows_dot_bf16<5>(xm, we + n * K, K, ym, N); break;
         }
       }
     }
@@ -172,6 +226,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   elementwise::bind<Avx512>(m);
   m.def("gemv_bf16", &gemv_bf16);
   m.def("rowwise_mm_bf16", &rowwise_mm_bf16);
+  m.def("grouped_mm_bf16", &grouped_mm_bf16);
   m.def("paged_decode_attention_bf16", &paged_decode_attention_bf16);
   m.def("write_kv_bf16", &paged_kv::write_rows);
   m.def("paged_decode_attention_int8", &paged_decode_attention_int8);

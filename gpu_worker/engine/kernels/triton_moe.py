@@ -23,7 +23,15 @@ import triton.language as tl
 BLOCK_N = 64
 BLOCK_K = 32
 ACTIVATION_BLOCK = 1024
-ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # HF's names, as `mlp.GATED_ACTIVATIONS` has them
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # HF's names, as `ops.GATED_ACTIVATIONS` has them
+
+
+def serves(*weights: torch.Tensor | None) -> bool:
+    """Whether `fused_moe` takes a mixture whose experts' weights are these: dense float tensors of one dtype on
+    CUDA (a quantized linear's weight is None). Else each expert's `MLP` serves (`moe.mixture`)."""
+    dtype = weights[0].dtype if weights and isinstance(weights[0], torch.Tensor) else None
+    return (dtype in (torch.float16, torch.bfloat16, torch.float32)
+            and all(isinstance(w, torch.Tensor) and w.is_cuda and w.dtype == dtype for w in weights))
 
 
 def block_m_for(num_pairs: int, num_experts: int) -> int:

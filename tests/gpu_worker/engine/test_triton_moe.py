@@ -13,11 +13,11 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
 pytest.importorskip("triton", reason="Triton is not installed")
 
-from gpu_worker.engine.kernel_choice import triton_moe_serves  # noqa: E402
 from gpu_worker.engine.kernels.triton_moe import (  # noqa: E402
     align_by_expert,
     block_m_for,
     fused_moe,
+    serves,
 )
 from gpu_worker.engine.mlp import MLP  # noqa: E402
 from gpu_worker.engine.moe import fused_moe_reference, mixture  # noqa: E402
@@ -135,14 +135,14 @@ def test_the_reference_is_the_cpu_mixture_over_mlp_experts_with_the_same_weights
 
 def test_the_fused_moe_serves_dense_float_weights_on_cuda_only():
     cpu = torch.zeros(2, 4, 8)
-    assert not triton_moe_serves(cpu, cpu)
-    assert not triton_moe_serves()
+    assert not serves(cpu, cpu)
+    assert not serves()
     if DEVICE.type == "cuda":
         dense = torch.zeros(2, 4, 8, device="cuda", dtype=torch.bfloat16)
-        assert triton_moe_serves(dense, dense)
-        assert not triton_moe_serves(dense, None)  # a quantized expert's linear holds no dense weight
-        assert not triton_moe_serves(dense, dense.half())
-        assert not triton_moe_serves(dense.to(torch.int8), dense.to(torch.int8))
+        assert serves(dense, dense)
+        assert not serves(dense, None)  # a quantized expert's linear holds no dense weight
+        assert not serves(dense, dense.half())
+        assert not serves(dense.to(torch.int8), dense.to(torch.int8))
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="the fused kernel serves a model's mixture on CUDA only")
