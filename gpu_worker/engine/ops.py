@@ -136,29 +136,18 @@ class NativeCpuOps(TorchOps):
                         for w in weights))
 
     def fused_moe_takes(self, rows, num_experts, top_k):
-        """Decode-sized steps: more than one row (one row's k experts run faster one by one, `moe.mixture`), and a
-        few pairs per expert, where one call over all experts saves a parallel region per expert and projection;
-        past them oneDNN's blocked matmul per expert wins (`tokenfleet bench engine --model tokenfleet-moe`)."""
-        return rows > 1 and rows * top_k <= FUSED_MOE_PAIRS_PER_EXPERT * num_experts
+        """Decode-sized steps, a few pairs per expert: one parallel region for the whole mixture saves one per
+        expert and projection and the torch ops around them; past them oneDNN's blocked matmul per expert wins
+        (`tokenfleet bench engine --model tokenfleet-moe`)."""
+        return rows * top_k <= FUSED_MOE_PAIRS_PER_EXPERT * num_experts
 
     def fused_moe(self, x, w_gate_up, w_down, weights, experts, activation="silu"):
-        """The token-expert pairs sorted by expert, each projection one native call over every expert chosen
-        (`grouped_mm_bf16`), the pairs' outputs weighted and added to their tokens in ascending expert order, as
-        `moe.mixture` adds them."""
-        tokens, k = experts.shape
-        experts, ascending = experts.sort(dim=1)
-        pairs = experts.flatten()
-        order = torch.argsort(pairs, stable=True)
-        offsets = F.pad(torch.bincount(pairs, minlength=w_gate_up.shape[0]).cumsum(0), (1, 0))
-        act = getattr(self, GATED_ACTIVATIONS[activation])
-        grouped = act(self.module.grouped_mm_bf16(x[order // k], w_gate_up, offsets))
-        per_pair = torch.empty(tokens * k, x.shape[1], dtype=x.dtype)
-        per_pair[order] = self.module.grouped_mm_bf16(grouped, w_down, offsets)
-        per_pair = (per_pair * weights.gather(1, ascending).flatten()[:, None]).view(tokens, k, -1)
-        out = per_pair[:, 0].clone()
-        for j in range(1, k):
-            out += per_pair[:, j]
-        return out
+        """The mixture of SwiGLU experts (the only ones a `moe.SparseMoE` fuses) in one native call
+        (`kernels/moe_kernels.cpp`)."""
+        if activation != "silu":
+            raise ValueError(f"the native mixture runs SwiGLU experts, not {activation}")
+        return self.module.moe_silu_bf16(x, w_gate_up, w_down, weights.to(x.dtype).contiguous(),
+                                         experts.contiguous())
 
 
 def _takes(x: torch.Tensor, vector_width: int = 0) -> bool:

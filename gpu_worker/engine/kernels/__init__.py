@@ -147,7 +147,7 @@ def _load(module: NativeModule):
 
 
 CPU_KERNEL_SOURCES = ("cpu_kernels.cpp", "cpu_attention_kernels.cpp", "amx_prefill_attention.cpp",
-                      "avx512_prefill_attention.cpp")
+                      "avx512_prefill_attention.cpp", "moe_kernels.cpp")
 # The bf16 module: with AMX where the CPU has it (decode attention's scores and prefill attention on tiles),
 # AVX512-BF16 alone elsewhere; and the AVX2 module for CPUs without AVX512-BF16.
 CPU_MODULE = NativeModule("tokenfleet_cpu_kernels", CPU_KERNEL_SOURCES, ("-mavx512f", "-mavx512bf16"),

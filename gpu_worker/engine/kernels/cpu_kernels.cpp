@@ -4,44 +4,13 @@
 
 #include <vector>
 
+#include "bf16_rows.h"
 #include "cpu_kernels.h"
 #include "paged_kv.h"
 #include "sum16.h"
 #ifdef TOKENFLEET_AMX
 #include "amx_tiles.h"
 #endif
-
-// y[1, N] = x[1, K] @ w[N, K]^T with fp32 accumulation. Batch-1 decode is one such product per weight, bound by
-// reading the weight, and oneDNN's bf16 path reads it well below the bandwidth. Rows are read front to back, a whole
-// row at a time, in a few long sequential streams per thread (for_rows_in_streams): interleaving eight adjacent rows
-// with software prefetch had read no faster than oneDNN (`python -m bench.lab.gemv_plans`). K % 32 == 0.
-static inline uint16_t row_dot_bf16(const uint16_t* x, const uint16_t* w, int64_t K) {
-  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();  // two chains hide the dpbf16 latency
-  int64_t k = 0;
-  for (; k + 64 <= K; k += 64) {
-    acc0 = _mm512_dpbf16_ps(acc0, (__m512bh)_mm512_loadu_si512(w + k), (__m512bh)_mm512_loadu_si512(x + k));
-    acc1 = _mm512_dpbf16_ps(acc1, (__m512bh)_mm512_loadu_si512(w + k + 32),
-                            (__m512bh)_mm512_loadu_si512(x + k + 32));
-  }
-  if (k < K) acc0 = _mm512_dpbf16_ps(acc0, (__m512bh)_mm512_loadu_si512(w + k), (__m512bh)_mm512_loadu_si512(x + k));
-  return to_bf16(_mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)));
-}
-
-// The same for M <= kGemvRows rows of x (a decode step whose guesses are scored with it): each weight row is read
-// once for all of them. It beats oneDNN's packed matmul up to kGemvRows rows; past them it is bound by the dot
-// products (`linear.GEMV_ROWS`, `python -m bench.lab.linear_rates`).
-constexpr int64_t kGemvRows = 5;
-
-template <int M>
-static inline void rows_dot_bf16(const uint16_t* x, const uint16_t* w, int64_t K, uint16_t* y, int64_t N) {
-  __m512 acc[M];
-  for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += 32) {
-    const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k);
-    for (int m = 0; m < M; m++) acc[m] = _mm512_dpbf16_ps(acc[m], wv, (__m512bh)_mm512_loadu_si512(x + m * K + k));
-  }
-  for (int m = 0; m < M; m++) y[m * N] = to_bf16(_mm512_reduce_add_ps(acc[m]));
-}
 
 // Each thread takes one contiguous range of the N weight rows and reads it as `streams` sequential streams, a row
 // from each in turn, asking for each stream's row `prefetch_rows` ahead (0: none) as it starts on a row. The
@@ -173,60 +142,12 @@ at::Tensor rowwise_mm_bf16(const at::Tensor& x, const at::Tensor& w) {
   return y;
 }
 
-// A mixture of experts' grouped product for decode-sized steps: rows offsets[e] .. offsets[e + 1] of x (the
-// token-expert pairs sorted by expert) times expert e's w[e]^T, for every expert at once, in one parallel loop over
-// (expert, block of its rows of w) for the experts any row chose, where a loop over the experts would start a
-// parallel region per expert and projection. Each thread takes one contiguous run of those blocks, as gemv_bf16
-// reads a weight: long sequential streams. A block's rows are gemv_bf16's products over up to kGemvRows rows of x at
-// a time; each output is one chain over K whatever the other rows. w [E, N, K] contiguous, K % 32 == 0.
-at::Tensor grouped_mm_bf16(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offsets) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16, "x must be [P, K] contiguous bf16");
-  TORCH_CHECK(w.dim() == 3 && w.is_contiguous() && w.scalar_type() == at::kBFloat16 && w.size(2) == x.size(1) &&
-                  w.size(2) % 32 == 0, "w must be [E, N, K] contiguous bf16, K % 32 == 0");
-  TORCH_CHECK(offsets.dim() == 1 && offsets.size(0) == w.size(0) + 1 && offsets.scalar_type() == at::kLong &&
-                  offsets.is_contiguous(), "offsets must be [E + 1] int64");
-  const int64_t E = w.size(0), N = w.size(1), K = w.size(2);
-  const auto* off = offsets.data_ptr<int64_t>();
-  TORCH_CHECK(off[0] == 0 && off[E] == x.size(0), "offsets must run from 0 to x's rows");
-  auto y = at::empty({x.size(0), N}, x.options());
-  const auto* xp = static_cast<const uint16_t*>(x.data_ptr());
-  const auto* wp = static_cast<const uint16_t*>(w.data_ptr());
-  auto* yp = static_cast<uint16_t*>(y.data_ptr());
-  const int64_t blocks = (N + kBlockN - 1) / kBlockN;
-  std::vector<int64_t> chosen;
-  for (int64_t e = 0; e < E; e++) {
-    TORCH_CHECK(off[e + 1] >= off[e], "offsets must not decrease");
-    if (off[e + 1] > off[e]) chosen.push_back(e);
-  }
-  const int64_t items = static_cast<int64_t>(chosen.size()) * blocks;
-#pragma omp parallel for schedule(static)
-  for (int64_t item = 0; item < items; item++) {
-    const int64_t e = chosen[item / blocks], block = item % blocks;
-    const int64_t n0 = block * kBlockN, n1 = std::min(N, n0 + kBlockN), M = off[e + 1] - off[e];
-    const uint16_t* we = wp + e * N * K;
-    for (int64_t m = off[e]; m < off[e] + M; m += kGemvRows) {
-      const int64_t mr = std::min(kGemvRows, off[e] + M - m);
-      for (int64_t n = n0; n < n1; n++) {
-        const uint16_t* xm = xp + m * K;
-        uint16_t* ym = yp + m * N + n;
-        switch (mr) {
-          case 1: rows_dot_bf16<1>(xm, we + n * K, K, ym, N); break;
-          case 2: rows_dot_bf16<2>(xm, we + n * K, K, ym, N); break;
-          case 3: rows_dot_bf16<3>(xm, we + n * K, K, ym, N); break;
-          case 4: rows_dot_bf16<4>(xm, we + n * K, K, ym, N); break;
-          default: rows_dot_bf16<5>(xm, we + n * K, K, ym, N); break;
-        }
-      }
-    }
-  }
-  return y;
-}
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   elementwise::bind<Avx512>(m);
   m.def("gemv_bf16", &gemv_bf16);
   m.def("rowwise_mm_bf16", &rowwise_mm_bf16);
   m.def("grouped_mm_bf16", &grouped_mm_bf16);
+  m.def("moe_silu_bf16", &moe_silu_bf16);
   m.def("paged_decode_attention_bf16", &paged_decode_attention_bf16);
   m.def("write_kv_bf16", &paged_kv::write_rows);
   m.def("paged_decode_attention_int8", &paged_decode_attention_int8);

@@ -1,6 +1,6 @@
-// What the bf16 CPU kernels share (cpu_kernels.cpp, cpu_attention_kernels.cpp, built as one module):
-// bf16 conversions, a vectorized exp and softmax, a range's software prefetch, and the attention kernels'
-// declarations.
+// What the bf16 CPU kernels share (cpu_kernels.cpp, cpu_attention_kernels.cpp, moe_kernels.cpp, built as one
+// module): bf16 conversions, a vectorized exp and softmax, a range's software prefetch, and the attention and
+// mixture kernels' declarations.
 #pragma once
 #include "torch_api.h"
 #include <immintrin.h>
@@ -12,6 +12,7 @@
 
 using elementwise::kMinParallelElements;
 
+using elementwise::bf16_value;
 using elementwise::to_bf16;
 
 // Every 64-byte line of [p, p + bytes) into L1 (T0), or into L2 (T1).
@@ -64,6 +65,10 @@ static inline __m256i to_bf16x16(__m512 v) {  // round to nearest even, as to_bf
   u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb));
   return _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16));
 }
+
+at::Tensor grouped_mm_bf16(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offsets);
+at::Tensor moe_silu_bf16(const at::Tensor& x, const at::Tensor& w_gate_up, const at::Tensor& w_down,
+                         const at::Tensor& weights, const at::Tensor& experts);
 
 // `window`: each decode row's (each prefill row's) sliding window in tokens, itself included; 0 for none.
 at::Tensor paged_decode_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache,

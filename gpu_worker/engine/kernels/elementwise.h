@@ -31,7 +31,19 @@ inline typename V::F exp(typename V::F x) {
   return V::scale_by_pow2(p, n);
 }
 
-// out[T, I] = bf16(silu(gate)) * up for x = [gate | up] of shape [T, 2I], each op's result rounded to bf16 as torch's.
+// out[I] = bf16(silu(gate)) * up for one row x = [gate | up] of 2I, each op's result rounded to bf16 as torch's.
+template <class V>
+inline void silu_and_mul_row(const uint16_t* x, uint16_t* out, int64_t I) {
+  // silu(g) = g / (1 + e^-g): with g above 88 (e^-g below fp32's range) e^-g clamps at e^-87, which divides g by 1.
+  const auto one = V::set1(1.0f), minus = V::set1(-1.0f);
+  for (int64_t i = 0; i < I; i += V::kLanes) {
+    const auto g = V::load_bf16(x + i), u = V::load_bf16(x + I + i);
+    const auto act = V::round_bf16(V::div(g, V::add(one, exp<V>(V::mul(g, minus)))));
+    V::store_bf16(out + i, V::mul(act, u));
+  }
+}
+
+// The same over [T, 2I] rows.
 template <class V>
 at::Tensor silu_and_mul(const at::Tensor& x) {
   TORCH_CHECK(x.is_contiguous() && x.size(1) % 32 == 0, "x must be [T, 2I] contiguous, I % 16 == 0");
@@ -39,16 +51,8 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   auto out = at::empty({T, I}, x.options());
   const auto* xp = static_cast<const uint16_t*>(x.data_ptr());
   auto* op = static_cast<uint16_t*>(out.data_ptr());
-  // silu(g) = g / (1 + e^-g): with g above 88 (e^-g below fp32's range) e^-g clamps at e^-87, which divides g by 1.
-  const auto one = V::set1(1.0f), minus = V::set1(-1.0f);
 #pragma omp parallel for schedule(static) if (T * I >= kMinParallelElements)
-  for (int64_t t = 0; t < T; t++) {
-    for (int64_t i = 0; i < I; i += V::kLanes) {
-      const auto g = V::load_bf16(xp + t * 2 * I + i), u = V::load_bf16(xp + t * 2 * I + I + i);
-      const auto act = V::round_bf16(V::div(g, V::add(one, exp<V>(V::mul(g, minus)))));
-      V::store_bf16(op + t * I + i, V::mul(act, u));
-    }
-  }
+  for (int64_t t = 0; t < T; t++) silu_and_mul_row<V>(xp + t * 2 * I, op + t * I, I);
   return out;
 }
 
