@@ -1,7 +1,8 @@
 """Paged attention on CPU by the native kernels (`kernels.NativeKernels.bf16`: the AVX512-BF16 module or the AVX2
 one), over bf16 and int8 caches, and the torch path bf16 takes where they do not apply. Each is tested against the
 reference it subclasses (`attention.py`). Each native kernel takes the layer's sliding window (`window_arg`) and reads
-only the keys each row sees, from its window's first on."""
+only the keys each row sees, from its window's first on; the decode kernels take attention sinks too (gpt-oss), whose
+prefill chunks the torch path attends."""
 
 from __future__ import annotations
 
@@ -41,7 +42,8 @@ class CpuPagedAttention(TorchPagedAttention):
     def __call__(self, qkv, cos, sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         if meta.prefills:
             return super().__call__(qkv, cos, sin, kv_cache, meta)
-        return self.kernels.decode_step_bf16(qkv, cos, sin, kv_cache, *decode_step_arguments(meta, self.heads))
+        return self.kernels.decode_step_bf16(qkv, cos, sin, kv_cache, *decode_step_arguments(meta, self.heads),
+                                             self.sinks)
 
     def write_kv(self, k, v, kv_cache, meta: AttentionMetadata) -> None:
         self.kernels.write_kv_bf16(k, v, kv_cache[0], kv_cache[1], meta.slot_blocks, meta.slot_offsets)
@@ -49,7 +51,7 @@ class CpuPagedAttention(TorchPagedAttention):
     def decode(self, q, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         return self.kernels.paged_decode_attention_bf16(q, kv_cache[0], kv_cache[1],
                                                         meta.decode_block_tables, meta.decode_context_lens,
-                                                        self.scale, window_arg(self.heads))
+                                                        self.scale, window_arg(self.heads), self.sinks)
 
 
 class NativePrefillAttention(CpuPagedAttention):
@@ -91,7 +93,7 @@ class CpuInt8PagedAttention(ScaledPagedAttention):
         if meta.prefills:
             return super().__call__(qkv, cos, sin, kv_cache, meta)
         return self.kernels.decode_step_int8(qkv, cos, sin, kv_cache.data, kv_cache.scale,
-                                             *decode_step_arguments(meta, self.heads))
+                                             *decode_step_arguments(meta, self.heads), self.sinks)
 
     def write_kv(self, k, v, kv_cache: ScaledKVCache, meta: AttentionMetadata) -> None:
         self.kernels.write_kv_int8(k, v, kv_cache.data, kv_cache.scale, meta.slot_blocks, meta.slot_offsets)
@@ -103,7 +105,7 @@ class CpuInt8PagedAttention(ScaledPagedAttention):
     def decode(self, q, kv_cache: ScaledKVCache, meta: AttentionMetadata) -> torch.Tensor:
         return self.kernels.paged_decode_attention_int8(q.contiguous(), kv_cache.data, kv_cache.scale,
                                                         meta.decode_block_tables, meta.decode_context_lens,
-                                                        self.scale, window_arg(self.heads))
+                                                        self.scale, window_arg(self.heads), self.sinks)
 
 
 def window_arg(heads: HeadLayout) -> int:

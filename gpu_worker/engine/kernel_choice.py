@@ -166,13 +166,12 @@ def _reference(kv_format: KVCacheFormat) -> Callable[[HeadLayout], TorchPagedAtt
 def _cpu_bf16_attention(kv_format: KVCacheFormat, module, heads: HeadLayout) -> TorchPagedAttention:
     """The native module's attention where it takes the heads (`kernels.NativeKernels.bf16`; its prefill too where
     it has one), else the torch path: for a dense cache its decode in float32, for an int8 one the reference."""
-    native = (module is not None and heads.softcap is None and not heads.sinks
-              and CpuPagedAttention.takes(module, heads.head_dim))
+    native = module is not None and heads.softcap is None and CpuPagedAttention.takes(module, heads.head_dim)
     if isinstance(kv_format, ScaledKVFormat):
         return CpuInt8PagedAttention(heads, module) if native else ScaledPagedAttention(heads, kv_format.quantize)
-    if native:
-        cls = NativePrefillAttention if NativePrefillAttention.takes(module, heads.head_dim) else CpuPagedAttention
-        return cls(heads, module)
+    if native:  # the native prefill kernels take no sinks: those heads' prefill chunks by the torch path
+        native_prefill = not heads.sinks and NativePrefillAttention.takes(module, heads.head_dim)
+        return (NativePrefillAttention if native_prefill else CpuPagedAttention)(heads, module)
     return WidenedDecodeAttention(heads)
 
 

@@ -96,9 +96,13 @@ struct OnlineSoftmax {
   float max[16], sum[16];
   int64_t G, D;
 
-  OnlineSoftmax(int64_t heads, int64_t dim) : G(heads), D(dim) {
-    std::fill(max, max + G, -INFINITY);
-    std::fill(sum, sum + G, 0.0f);
+  // `sink(g)`: head g's sink logit (-inf for none), its share of the softmax from the start: exp(sink - max).
+  template <typename Sink>
+  OnlineSoftmax(int64_t heads, int64_t dim, Sink&& sink) : G(heads), D(dim) {
+    for (int64_t g = 0; g < G; g++) {
+      max[g] = sink(g);
+      sum[g] = max[g] == -INFINITY ? 0.0f : 1.0f;
+    }
   }
 
   // `skip` (< 16): the chunk's leading keys the row does not see (before its sliding window), left out.
@@ -131,8 +135,9 @@ struct OnlineSoftmax {
 // stream together so, where scoring every key before reading any value had streamed one then the other: faster from
 // DRAM, the same in cache (`python -m bench.lab.decode_parts`). token_rows start at a multiple of 16 tokens, so that
 // each tile's sixteen keys lie in one block; with a sliding window the first `skip` of them are before it, masked.
+template <typename Sink>
 void attend_on_tiles(const QueryTiles& query_tiles, const Bf16Rows& rows, const std::vector<int64_t>& token_rows,
-                     int64_t skip, float scale, std::vector<float>& acc, uint16_t* out) {
+                     int64_t skip, float scale, Sink&& sink, std::vector<float>& acc, uint16_t* out) {
   const int64_t L = static_cast<int64_t>(token_rows.size()), G = query_tiles.G, D = query_tiles.D;
   const int64_t row_bytes = D * Bf16Rows::kBytes;
   const auto* k_bytes = reinterpret_cast<const char*>(rows.k);
@@ -149,7 +154,7 @@ void attend_on_tiles(const QueryTiles& query_tiles, const Bf16Rows& rows, const 
     }
   };
   std::fill(acc.begin(), acc.end(), 0.0f);
-  OnlineSoftmax online(G, D);
+  OnlineSoftmax online(G, D, sink);
   touch_pages(0, kPageAhead);
   // A chunk's products are issued to the tile unit before the previous chunk's values are summed, so the tiles (and
   // their key loads) work while the core sums: the same bits, a layer faster from DRAM and in cache
@@ -193,8 +198,8 @@ bool tiles_serve(int64_t G, int64_t D, int64_t block_size) {
 template <typename Rows>
 at::Tensor paged_decode(const at::Tensor& q, const Rows& rows, int64_t KVH, int64_t block_size,
                            const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
-                           int64_t window) {
-  const paged_kv::DecodeBatch batch(q, KVH, block_size, block_tables, context_lens, window);
+                           int64_t window, const c10::optional<at::Tensor>& sinks) {
+  const paged_kv::DecodeBatch batch(q, KVH, block_size, block_tables, context_lens, window, sinks);
   const int64_t G = batch.G, D = batch.D, row_bytes = D * Rows::kBytes;
 #ifdef TOKENFLEET_AMX
   const bool tiles = std::is_same_v<Rows, Bf16Rows> && tiles_serve(G, D, block_size);
@@ -225,8 +230,8 @@ at::Tensor paged_decode(const at::Tensor& q, const Rows& rows, int64_t KVH, int6
           const int64_t aligned = first & ~int64_t{15};
           batch.list_task_rows(task, aligned, token_rows);
           query_tiles.load(qb, G, D);
-          attend_on_tiles(query_tiles, rows, token_rows, first - aligned, static_cast<float>(scale), acc,
-                          batch.outputs(task));
+          attend_on_tiles(query_tiles, rows, token_rows, first - aligned, static_cast<float>(scale),
+                          [&](int64_t g) { return batch.sink(task, g); }, acc, batch.outputs(task));
           continue;
         }
       }
@@ -263,7 +268,7 @@ at::Tensor paged_decode(const at::Tensor& q, const Rows& rows, int64_t KVH, int6
                                 _mm512_mul_ps(sum16(group), _mm512_load_ps(key_scale)));
         }
       }
-      for (int64_t g = 0; g < G; g++) softmax_inplace(scores.data() + g * L, L);
+      for (int64_t g = 0; g < G; g++) softmax_inplace(scores.data() + g * L, L, batch.sink(task, g));
       rows.attend_values(scores.data(), L, G, token_rows.data(), acc.data(), pairs);
       uint16_t* out = batch.outputs(task);
       for (int64_t i = 0; i < G * D; i++) out[i] = to_bf16(acc[i]);
@@ -301,22 +306,24 @@ void dequantize_row(const int8_t* q, uint16_t scale, int64_t D, uint16_t* out) {
 
 at::Tensor paged_decode_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache,
                                           const at::Tensor& v_cache, const at::Tensor& block_tables,
-                                          const at::Tensor& context_lens, double scale, int64_t window) {
+                                          const at::Tensor& context_lens, double scale, int64_t window,
+                                          const c10::optional<at::Tensor>& sinks) {
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous caches");
   const Bf16Rows rows{static_cast<const uint16_t*>(k_cache.data_ptr()),
                       static_cast<const uint16_t*>(v_cache.data_ptr()), q.size(2)};
-  return paged_decode(q, rows, k_cache.size(1), k_cache.size(2), block_tables, context_lens, scale, window);
+  return paged_decode(q, rows, k_cache.size(1), k_cache.size(2), block_tables, context_lens, scale, window, sinks);
 }
 
 // kv_data: int8 [2, blocks, KVH, block_size, D] (keys, values); kv_scale: bf16 [2, blocks, KVH, block_size].
 at::Tensor paged_decode_attention_int8(const at::Tensor& q, const at::Tensor& kv_data,
                                           const at::Tensor& kv_scale, const at::Tensor& block_tables,
-                                          const at::Tensor& context_lens, double scale, int64_t window) {
+                                          const at::Tensor& context_lens, double scale, int64_t window,
+                                          const c10::optional<at::Tensor>& sinks) {
   paged_kv::check_int8_cache(kv_data, kv_scale);
   const auto* data = kv_data.data_ptr<int8_t>();
   const auto* scales = static_cast<const uint16_t*>(kv_scale.data_ptr());
   const Int8Rows rows{data, data + kv_data[0].numel(), scales, scales + kv_scale[0].numel(), q.size(2)};
-  return paged_decode(q, rows, kv_data.size(2), kv_data.size(3), block_tables, context_lens, scale, window);
+  return paged_decode(q, rows, kv_data.size(2), kv_data.size(3), block_tables, context_lens, scale, window, sinks);
 }
 
 void write_kv_int8(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv_data, at::Tensor& kv_scale,

@@ -72,8 +72,9 @@ void score(const float* qf, int64_t G, int64_t D, const Rows& cache, const int64
 }
 
 // Softmax of s[0, L) in place, exact (two passes) in fp32.
-void softmax(float* s, int64_t L) {
-  float mx = -INFINITY;
+// `sink`: one more logit in the softmax with no value behind it (an attention sink), -inf for none.
+void softmax(float* s, int64_t L, float sink) {
+  float mx = sink;
   for (int64_t t = 0; t < L; t++) mx = std::max(mx, s[t]);
   auto sum = V::set1(0.0f);
   int64_t t = 0;
@@ -84,6 +85,7 @@ void softmax(float* s, int64_t L) {
   }
   float total = V::reduce_add(sum);
   for (; t < L; t++) total += (s[t] = std::exp(s[t] - mx));
+  total += std::exp(sink - mx);
   for (t = 0; t < L; t++) s[t] /= total;
 }
 
@@ -113,8 +115,8 @@ void attend_values(const float* p, int64_t L, const Rows& cache, const int64_t* 
 template <class Rows>
 at::Tensor paged_decode(const at::Tensor& q, const Rows& cache, int64_t KVH, int64_t block_size,
                            const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
-                           int64_t window) {
-  const paged_kv::DecodeBatch batch(q, KVH, block_size, block_tables, context_lens, window);
+                           int64_t window, const c10::optional<at::Tensor>& sinks) {
+  const paged_kv::DecodeBatch batch(q, KVH, block_size, block_tables, context_lens, window, sinks);
   const int64_t G = batch.G, D = batch.D;
 #pragma omp parallel
   {
@@ -128,7 +130,7 @@ at::Tensor paged_decode(const at::Tensor& q, const Rows& cache, int64_t KVH, int
       for (int64_t i = 0; i < G * D; i++) qf[i] = elementwise::bf16_value(qb[i]);
       scores.resize(G * L);
       score(qf.data(), G, D, cache, token_rows.data(), L, static_cast<float>(scale), rows.data(), scores.data());
-      for (int64_t g = 0; g < G; g++) softmax(scores.data() + g * L, L);
+      for (int64_t g = 0; g < G; g++) softmax(scores.data() + g * L, L, batch.sink(task, g));
       uint16_t* ob = batch.outputs(task);
       for (int64_t g = 0; g < G; g += 3) {  // three heads at a time over 16 columns, fewer over 32
         const float* p = scores.data() + g * L;
@@ -146,11 +148,12 @@ at::Tensor paged_decode(const at::Tensor& q, const Rows& cache, int64_t KVH, int
 
 at::Tensor paged_decode_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache,
                                           const at::Tensor& v_cache, const at::Tensor& block_tables,
-                                          const at::Tensor& context_lens, double scale, int64_t window) {
+                                          const at::Tensor& context_lens, double scale, int64_t window,
+                                          const c10::optional<at::Tensor>& sinks) {
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous caches");
   const Bf16Rows cache{static_cast<const uint16_t*>(k_cache.data_ptr()),
                        static_cast<const uint16_t*>(v_cache.data_ptr()), q.size(2)};
-  return paged_decode(q, cache, k_cache.size(1), k_cache.size(2), block_tables, context_lens, scale, window);
+  return paged_decode(q, cache, k_cache.size(1), k_cache.size(2), block_tables, context_lens, scale, window, sinks);
 }
 
 // The int8 cache's planes as rows (paged_kv::check_int8_cache says their layout).
@@ -163,9 +166,10 @@ Int8Rows int8_rows(const at::Tensor& kv_data, const at::Tensor& kv_scale) {
 
 at::Tensor paged_decode_attention_int8(const at::Tensor& q, const at::Tensor& kv_data,
                                           const at::Tensor& kv_scale, const at::Tensor& block_tables,
-                                          const at::Tensor& context_lens, double scale, int64_t window) {
+                                          const at::Tensor& context_lens, double scale, int64_t window,
+                                          const c10::optional<at::Tensor>& sinks) {
   return paged_decode(q, int8_rows(kv_data, kv_scale), kv_data.size(2), kv_data.size(3), block_tables, context_lens,
-                      scale, window);
+                      scale, window, sinks);
 }
 
 // One row x [D] bf16 as int8 with its bf16 scale, exactly as the reference quantize_per_row: scale =

@@ -25,14 +25,15 @@ inline void prefetch(const void* p, int64_t bytes) {
 static inline __m512 exp16(__m512 x) { return elementwise::exp<Avx512>(x); }
 
 // Softmax of s[0, L) in place, in fp32.
-static inline void softmax_inplace(float* s, int64_t L) {
+// `sink`: one more logit in the softmax with no value behind it (an attention sink), -inf for none.
+static inline void softmax_inplace(float* s, int64_t L, float sink = -INFINITY) {
   // The maximum sixteen lanes at a time: std::max_element's serial chain of compares took a quarter of the decode
   // attention kernel's time once its products ran on AMX tiles.
   __m512 lanes = _mm512_set1_ps(-INFINITY);
   int64_t i = 0;
   for (; i + 16 <= L; i += 16) lanes = _mm512_max_ps(lanes, _mm512_loadu_ps(s + i));
   if (i < L) lanes = _mm512_max_ps(lanes, _mm512_mask_loadu_ps(lanes, static_cast<__mmask16>((1u << (L - i)) - 1), s + i));
-  const float mx = _mm512_reduce_max_ps(lanes);
+  const float mx = std::max(_mm512_reduce_max_ps(lanes), sink);
   const __m512 vmx = _mm512_set1_ps(mx);
   __m512 vsum = _mm512_setzero_ps();
   int64_t t = 0;
@@ -43,6 +44,7 @@ static inline void softmax_inplace(float* s, int64_t L) {
   }
   float sum = _mm512_reduce_add_ps(vsum);
   for (; t < L; t++) sum += (s[t] = std::exp(s[t] - mx));
+  sum += std::exp(sink - mx);
   const __m512 inv = _mm512_set1_ps(1.0f / sum);
   t = 0;
   for (; t + 16 <= L; t += 16) _mm512_storeu_ps(s + t, _mm512_mul_ps(_mm512_loadu_ps(s + t), inv));
@@ -73,10 +75,12 @@ at::Tensor moe_silu_bf16(const at::Tensor& x, const at::Tensor& w_gate_up, const
 // `window`: each decode row's (each prefill row's) sliding window in tokens, itself included; 0 for none.
 at::Tensor paged_decode_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache,
                                           const at::Tensor& v_cache, const at::Tensor& block_tables,
-                                          const at::Tensor& context_lens, double scale, int64_t window);
+                                          const at::Tensor& context_lens, double scale, int64_t window,
+                                          const c10::optional<at::Tensor>& sinks);
 at::Tensor paged_decode_attention_int8(const at::Tensor& q, const at::Tensor& kv_data,
                                           const at::Tensor& kv_scale, const at::Tensor& block_tables,
-                                          const at::Tensor& context_lens, double scale, int64_t window);
+                                          const at::Tensor& context_lens, double scale, int64_t window,
+                                          const c10::optional<at::Tensor>& sinks);
 void write_kv_int8(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv_data, at::Tensor& kv_scale,
                    const at::Tensor& slot_blocks, const at::Tensor& slot_offsets);
 at::Tensor gather_int8_bf16(const at::Tensor& kv_data, const at::Tensor& kv_scale, int64_t which,

@@ -34,9 +34,10 @@ inline void list_rows(const int64_t* table, int64_t head, int64_t KVH, int64_t b
 struct DecodeBatch {
   at::Tensor tables, lens, out;
   int64_t B, H, D, KVH, G, block_size, max_blocks, q_row, window;
+  const float* sinks = nullptr;  // each query head's sink logit (gpt-oss), or none
 
   DecodeBatch(const at::Tensor& q, int64_t kv_heads, int64_t block_size_, const at::Tensor& block_tables,
-              const at::Tensor& context_lens, int64_t window_)
+              const at::Tensor& context_lens, int64_t window_, const c10::optional<at::Tensor>& sink_logits)
       : tables(block_tables.to(at::kLong).contiguous()), lens(context_lens.to(at::kLong).contiguous()),
         B(q.size(0)), H(q.size(1)), D(q.size(2)), KVH(kv_heads), G(q.size(1) / kv_heads), block_size(block_size_),
         max_blocks(tables.size(1)), q_row(q.stride(0)), window(window_) {
@@ -44,8 +45,16 @@ struct DecodeBatch {
                 "q must be bf16 with contiguous heads");
     TORCH_CHECK(D % 32 == 0 && H % KVH == 0, "head_dim % 32 == 0 and whole query groups");
     TORCH_CHECK(window >= 0, "window: a positive number of tokens, or 0 for none");
+    if (sink_logits.has_value()) {
+      TORCH_CHECK(sink_logits->scalar_type() == at::kFloat && sink_logits->is_contiguous() &&
+                      sink_logits->numel() == H, "sinks must be float32 [H]");
+      sinks = sink_logits->data_ptr<float>();
+    }
     out = at::empty({B, H, D}, q.options());
   }
+  // Query head g of the task's group: its sink logit, joined to its softmax as one more score with no value behind
+  // it; -inf (no share of the softmax) where the heads have none.
+  float sink(int64_t task, int64_t g) const { return sinks ? sinks[head(task) * G + g] : -INFINITY; }
   int64_t tasks() const { return B * KVH; }
   int64_t sequence(int64_t task) const { return task / KVH; }
   int64_t head(int64_t task) const { return task % KVH; }
@@ -121,7 +130,8 @@ RotatedQkv rotate(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
 
 using DecodeAttention = at::Tensor (*)(const at::Tensor& q, const at::Tensor& k_cache,
                                           const at::Tensor& v_cache, const at::Tensor& block_tables,
-                                          const at::Tensor& context_lens, double scale, int64_t window);
+                                          const at::Tensor& context_lens, double scale, int64_t window,
+                                          const c10::optional<at::Tensor>& sinks);
 
 // A decode-only step's attention for one layer in one call: rotary (on V's vectors), the KV write and `attend`,
 // which as four calls from Python (with the split of qkv and the cache's views) spent more time in the interpreter
@@ -131,11 +141,11 @@ at::Tensor decode_step_bf16(at::Tensor& qkv, const at::Tensor& cos, const at::Te
                                const at::Tensor& kv_cache, const at::Tensor& slot_blocks,
                                const at::Tensor& slot_offsets, const at::Tensor& block_tables,
                                const at::Tensor& context_lens, int64_t H, int64_t KVH, double scale,
-                               int64_t window) {
+                               int64_t window, const c10::optional<at::Tensor>& sinks) {
   auto [q, k, v] = rotate<V>(qkv, cos, sin, H, KVH);
   auto k_cache = kv_cache.select(0, 0), v_cache = kv_cache.select(0, 1);
   write_rows(k, v, k_cache, v_cache, slot_blocks, slot_offsets);
-  return attend(q, k_cache, v_cache, block_tables, context_lens, scale, window).view({q.size(0), -1});
+  return attend(q, k_cache, v_cache, block_tables, context_lens, scale, window, sinks).view({q.size(0), -1});
 }
 
 // An int8 cache's planes: kv_data int8 [2, blocks, KVH, block_size, D] (keys, values), kv_scale bf16 [2, blocks, KVH,
@@ -212,11 +222,12 @@ at::Tensor decode_step_int8(at::Tensor& qkv, const at::Tensor& cos, const at::Te
                                const at::Tensor& kv_data, const at::Tensor& kv_scale,
                                const at::Tensor& slot_blocks, const at::Tensor& slot_offsets,
                                const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t H,
-                               int64_t KVH, double scale, int64_t window) {
+                               int64_t KVH, double scale, int64_t window,
+                               const c10::optional<at::Tensor>& sinks) {
   auto [q, k, v] = rotate<V>(qkv, cos, sin, H, KVH);
   auto data = kv_data, scales = kv_scale;
   write(k, v, data, scales, slot_blocks, slot_offsets);
-  return attend(q, kv_data, kv_scale, block_tables, context_lens, scale, window).view({q.size(0), -1});
+  return attend(q, kv_data, kv_scale, block_tables, context_lens, scale, window, sinks).view({q.size(0), -1});
 }
 
 }  // namespace paged_kv
