@@ -1,8 +1,8 @@
 """Paged attention on CPU by the native kernels (`kernels.NativeKernels.bf16`: the AVX512-BF16 module or the AVX2
 one), over bf16 and int8 caches, and the torch path bf16 takes where they do not apply. Each is tested against the
 reference it subclasses (`attention.py`). Each native kernel takes the layer's sliding window (`window_arg`) and reads
-only the keys each row sees, from its window's first on; the decode kernels take attention sinks too (gpt-oss), whose
-prefill chunks the torch path attends."""
+only the keys each row sees, from its window's first on, and the heads' attention sinks where they have them
+(gpt-oss)."""
 
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ class NativePrefillAttention(CpuPagedAttention):
         batch = meta.prefill_batch
         self.kernels.prefill_attention_bf16(q, kv_cache[0], kv_cache[1], batch.query_starts, batch.query_lens,
                                             batch.context_lens, batch.block_tables, self.scale,
-                                            window_arg(self.heads), out)
+                                            window_arg(self.heads), self.sinks, out)
 
     @staticmethod
     def takes(kernels, head_dim: int) -> bool:

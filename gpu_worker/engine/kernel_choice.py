@@ -169,9 +169,9 @@ def _cpu_bf16_attention(kv_format: KVCacheFormat, module, heads: HeadLayout) -> 
     native = module is not None and heads.softcap is None and CpuPagedAttention.takes(module, heads.head_dim)
     if isinstance(kv_format, ScaledKVFormat):
         return CpuInt8PagedAttention(heads, module) if native else ScaledPagedAttention(heads, kv_format.quantize)
-    if native:  # the native prefill kernels take no sinks: those heads' prefill chunks by the torch path
-        native_prefill = not heads.sinks and NativePrefillAttention.takes(module, heads.head_dim)
-        return (NativePrefillAttention if native_prefill else CpuPagedAttention)(heads, module)
+    if native:
+        cls = NativePrefillAttention if NativePrefillAttention.takes(module, heads.head_dim) else CpuPagedAttention
+        return cls(heads, module)
     return WidenedDecodeAttention(heads)
 
 

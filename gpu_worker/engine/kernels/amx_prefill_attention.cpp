@@ -20,6 +20,7 @@
 
 #include "amx_tiles.h"
 #include "cpu_kernels.h"
+#include "paged_kv.h"
 
 namespace {
 
@@ -71,8 +72,9 @@ inline __mmask16 lanes_in(int64_t j, int64_t a, int64_t n) {
 void prefill_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& query_starts, const at::Tensor& query_lens,
                             const at::Tensor& context_lens, const at::Tensor& block_tables, double scale,
-                            int64_t window, at::Tensor& out) {
+                            int64_t window, const c10::optional<at::Tensor>& sinks, at::Tensor& out) {
   const int64_t H = q.size(1), D = q.size(2), KVH = k_cache.size(1), block_size = k_cache.size(2), G = H / KVH;
+  const float* sink_logits = paged_kv::sink_logits(sinks, H);
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && q.stride(2) == 1 && q.stride(1) == D && D % 32 == 0 && D <= 128 &&
                   H % KVH == 0 && k_cache.is_contiguous() && v_cache.is_contiguous() && out.is_contiguous(),
               "bf16 q with contiguous heads, head_dim % 32 == 0 and <= 128, whole query groups, contiguous caches");
@@ -140,7 +142,10 @@ void prefill_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache, cons
         __m512 mx = _mm512_set1_ps(-INFINITY);
         for (int64_t j = a & ~int64_t{15}; j < n; j += 16)
           mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(mx, lanes_in(j, a, n), s + j));
-        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx) * static_cast<float>(scale));
+        // A head's sink (one more score with no value) joins the max and the sum.
+        const float sink = sink_logits && i < rows ? sink_logits[h] : -INFINITY;
+        const float top = std::max(_mm512_reduce_max_ps(mx) * static_cast<float>(scale), sink);
+        const __m512 m = _mm512_set1_ps(top);
         __m512 sum = _mm512_setzero_ps();
         for (int64_t j = 0; j < width; j += 16) {
           const __mmask16 live = lanes_in(j, a, n);
@@ -149,7 +154,7 @@ void prefill_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache, cons
           sum = _mm512_add_ps(sum, load_bf16x16_from(b));  // the sum of the rounded probabilities V is weighted by
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + j), b);
         }
-        row_sum[i] = _mm512_reduce_add_ps(sum);
+        row_sum[i] = _mm512_reduce_add_ps(sum) + std::exp(sink - top);
       }
       for (int64_t dt = 0; dt < D / 16; dt += 4) {  // four accumulators of 16 dims
         const int64_t n_acc = std::min<int64_t>(4, D / 16 - dt);

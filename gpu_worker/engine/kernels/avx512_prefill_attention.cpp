@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "cpu_kernels.h"
+#include "paged_kv.h"
 
 namespace {
 
@@ -156,7 +157,7 @@ int64_t first_key(int64_t context, int64_t query_len, int64_t window) {
 void run_task(const Task& t, Scratch& s, const uint16_t* q, int64_t q_stride, const uint16_t* k_cache,
               const uint16_t* v_cache, const int64_t* starts, const int64_t* contexts, const int64_t* lens,
               const int64_t* tables, int64_t max_blocks, int64_t H, int64_t KVH, int64_t D, int64_t bs, float scale,
-              int64_t window, uint16_t* out) {
+              int64_t window, const float* sinks, uint16_t* out) {
   const int64_t G = H / KVH, R = t.count * G, R16 = (R + 15) & ~int64_t{15};
   const int64_t before = contexts[t.chunk] - lens[t.chunk] + t.first;  // keys before the task's first token
   const int64_t keys = before + t.count;
@@ -191,6 +192,11 @@ void run_task(const Task& t, Scratch& s, const uint16_t* q, int64_t q_stride, co
   s.out.assign(R16 * D, 0.0f);
   s.row_max.assign(R16, -INFINITY);
   s.row_sum.assign(R16, 0.0f);
+  if (sinks)  // a head's sink, one more score with no value: the running max and sum start from it
+    for (int64_t r = 0; r < R; r++) {
+      s.row_max[r] = sinks[t.head * G + r % G];
+      s.row_sum[r] = 1.0f;
+    }
   s.rescale.resize(R16);
   const __m512 vscale = _mm512_set1_ps(scale);
   const int64_t end = start + static_cast<int64_t>(s.key_rows.size());
@@ -244,8 +250,9 @@ void run_task(const Task& t, Scratch& s, const uint16_t* q, int64_t q_stride, co
 void prefill_attention_dpbf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                               const at::Tensor& query_starts, const at::Tensor& query_lens,
                               const at::Tensor& context_lens, const at::Tensor& block_tables, double scale,
-                              int64_t window, at::Tensor& out) {
+                              int64_t window, const c10::optional<at::Tensor>& sinks, at::Tensor& out) {
   const int64_t H = q.size(1), D = q.size(2), KVH = k_cache.size(1), bs = k_cache.size(2);
+  const float* sink_logits = paged_kv::sink_logits(sinks, H);
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 && out.is_contiguous() &&
                   out.scalar_type() == at::kBFloat16 && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "bf16 q, out and caches; out and the caches contiguous");
@@ -279,7 +286,7 @@ void prefill_attention_dpbf16(const at::Tensor& q, const at::Tensor& k_cache, co
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < n; i++)
       run_task(tasks[i], scratch, qp, q_stride, kc, vc, sp, cp, lp, tp, max_blocks, H, KVH, D, bs,
-               static_cast<float>(scale), window, op);
+               static_cast<float>(scale), window, sink_logits, op);
   }
 }
 #endif  // TOKENFLEET_AMX

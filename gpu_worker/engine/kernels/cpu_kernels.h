@@ -89,12 +89,12 @@ at::Tensor gather_int8_bf16(const at::Tensor& kv_data, const at::Tensor& kv_scal
 void prefill_attention_dpbf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                               const at::Tensor& query_starts, const at::Tensor& query_lens,
                               const at::Tensor& context_lens, const at::Tensor& block_tables, double scale,
-                              int64_t window, at::Tensor& out);
+                              int64_t window, const c10::optional<at::Tensor>& sinks, at::Tensor& out);
 #else
 at::Tensor amx_linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                               const c10::optional<at::Tensor>& bias);
 void prefill_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& query_starts, const at::Tensor& query_lens,
                             const at::Tensor& context_lens, const at::Tensor& block_tables, double scale,
-                            int64_t window, at::Tensor& out);
+                            int64_t window, const c10::optional<at::Tensor>& sinks, at::Tensor& out);
 #endif

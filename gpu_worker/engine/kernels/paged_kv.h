@@ -25,6 +25,15 @@ inline void list_rows(const int64_t* table, int64_t head, int64_t KVH, int64_t b
   }
 }
 
+// Each of the H query heads' sink logit (gpt-oss's attention sinks: one more score in its softmax, with no value
+// behind it), float32 [H]; nullptr for none.
+inline const float* sink_logits(const c10::optional<at::Tensor>& sinks, int64_t H) {
+  if (!sinks.has_value()) return nullptr;
+  TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->is_contiguous() && sinks->numel() == H,
+              "sinks must be float32 [H]");
+  return sinks->data_ptr<float>();
+}
+
 // Decode attention's batch: one query token per sequence, H query heads sharing KVH key/value heads, a task per
 // (sequence, KV head) that reads that head's context once for its G query heads. q [B, H, D] bf16 with contiguous
 // heads, its rows strided (a view of the fused projection's rows: no copy of the queries), block_tables
@@ -45,11 +54,7 @@ struct DecodeBatch {
                 "q must be bf16 with contiguous heads");
     TORCH_CHECK(D % 32 == 0 && H % KVH == 0, "head_dim % 32 == 0 and whole query groups");
     TORCH_CHECK(window >= 0, "window: a positive number of tokens, or 0 for none");
-    if (sink_logits.has_value()) {
-      TORCH_CHECK(sink_logits->scalar_type() == at::kFloat && sink_logits->is_contiguous() &&
-                      sink_logits->numel() == H, "sinks must be float32 [H]");
-      sinks = sink_logits->data_ptr<float>();
-    }
+    sinks = paged_kv::sink_logits(sink_logits, H);
     out = at::empty({B, H, D}, q.options());
   }
   // Query head g of the task's group: its sink logit, joined to its softmax as one more score with no value behind

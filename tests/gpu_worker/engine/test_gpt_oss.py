@@ -19,9 +19,7 @@ from gpu_worker.engine.attention import (
     PrefillChunk,
     TorchPagedAttention,
 )
-from gpu_worker.engine.cpu_attention import CpuInt8PagedAttention, CpuPagedAttention, NativePrefillAttention
 from gpu_worker.engine.kernel_choice import choose_kernels
-from gpu_worker.engine.kernels import avx2_kernels, cpu_kernels
 from gpu_worker.engine.model_config import ModelConfig
 from gpu_worker.engine.stacked_experts import FP4_VALUES, dequantize_mxfp4, unstack_experts
 from services.text.errors import ModelLoadError
@@ -68,13 +66,11 @@ def test_sinks_take_their_share_of_each_softmax_as_transformers_does_in_decode_a
     assert (decode - without).abs().max() > 0.05  # the sinks matter here
 
 
-def test_heads_with_sinks_decode_natively_and_prefill_by_the_torch_path():
-    heads = HeadLayout(12, 4, 64, 0.125, sinks=True)  # a head size the native CPU kernels take
-    native = cpu_kernels() is not None or avx2_kernels() is not None
-    for options, decoding in (({}, CpuPagedAttention), ({"kv_cache_dtype": "int8"}, CpuInt8PagedAttention)):
-        chosen = choose_kernels(EngineConfig("", **options), torch.bfloat16).attention(heads)
-        assert not isinstance(chosen, NativePrefillAttention)  # no native prefill kernel takes sinks
-        assert type(chosen) is decoding or not native
+def test_heads_with_sinks_take_the_native_kernels_as_other_heads_do():
+    for options in ({}, {"kv_cache_dtype": "int8"}):
+        kernels = choose_kernels(EngineConfig("", **options), torch.bfloat16)
+        with_sinks = kernels.attention(HeadLayout(12, 4, 64, 0.125, sinks=True))  # a head size they take
+        assert type(with_sinks) is type(kernels.attention(HeadLayout(12, 4, 64, 0.125)))
 
 
 def _to_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,7 +1,8 @@
 """Attention sinks (gpt-oss: a learned logit per head joined to its softmax, taking probability mass and adding no
-value) in the native CPU decode kernels, against the reference (`TorchPagedAttention` / `ScaledPagedAttention`
+value) in the native CPU kernels, against the reference (`TorchPagedAttention` / `ScaledPagedAttention`
 with the same sink logits): bf16 and int8 caches, with and without a sliding window, through the decode kernel
-alone and the decode step in one call. Sinks of a few units, large enough that ignoring them fails each case."""
+alone, the decode step in one call and the prefill kernel. Sinks of a few units, large enough that ignoring them
+fails each case."""
 
 from __future__ import annotations
 
@@ -9,10 +10,11 @@ import pytest
 import torch
 
 from gpu_worker.engine.attention import HeadLayout, ScaledPagedAttention, TorchPagedAttention
-from gpu_worker.engine.cpu_attention import CpuInt8PagedAttention, CpuPagedAttention
+from gpu_worker.engine.cpu_attention import CpuInt8PagedAttention, CpuPagedAttention, NativePrefillAttention
+from gpu_worker.engine.kernels import cpu_kernels
 from gpu_worker.engine.kv_cache_format import ScaledKVCache, quantize_per_row
 from gpu_worker.engine.rope import RotaryEmbedding
-from tests.gpu_worker.engine.test_sliding_window_kernels import close_in_bf16
+from tests.gpu_worker.engine.test_sliding_window_kernels import close_in_bf16, needs_native_prefill, prefill_case
 from tests.kernel_inputs import NATIVE_BUILDS, decode_metadata, free_out_of_window
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 8, 2, 64, 16
@@ -75,3 +77,20 @@ def test_a_native_decode_step_in_one_call_joins_the_sinks(kernels):
     without = CpuPagedAttention(HeadLayout(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5), kernels())(
         qkv.clone(), cos, sin, cache.clone(), meta)
     _assert_sinks_matter(got, want, without)
+
+
+@needs_native_prefill
+@pytest.mark.parametrize("window", [None, 37])
+def test_native_prefill_joins_each_heads_sink_to_its_softmax(window):
+    torch.manual_seed(5)
+    q, k, v, cache, meta, full_meta = prefill_case(window or 100_000, BLOCK_SIZE, KV_HEADS, HEAD_DIM, HEADS)
+    if window is None:
+        meta = full_meta
+    layout = HeadLayout(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5, window, sinks=True)
+    sinks = torch.empty(HEADS).uniform_(-1.0, 4.0)
+    rows = slice(meta.num_decodes, None)  # the prefill chunks' rows
+    want = _with_sinks(TorchPagedAttention(layout), sinks).attend(q.float(), k.float(), v.float(), cache.float(), meta)
+    got = _with_sinks(NativePrefillAttention(layout, cpu_kernels()), sinks).attend(q, k, v, cache, meta)
+    without = NativePrefillAttention(HeadLayout(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5, window),
+                                     cpu_kernels()).attend(q, k, v, cache, meta)
+    _assert_sinks_matter(got[rows], want[rows], without[rows])
