@@ -44,9 +44,10 @@ from .quantization.kernels import (
     OneDnnInt8LinearKernel,
     TritonInt4LinearKernel,
     TritonInt8LinearKernel,
+    TritonMxfp4LinearKernel,
     onednn_int8_matmul,
 )
-from .quantization.weights import QuantizedWeight
+from .quantization.weights import Mxfp4Weight, QuantizedWeight
 from .triton_attention import TritonPagedAttention, TritonScaledPagedAttention
 
 # What `EngineConfig.cpu_isa` may name: this CPU's instruction sets, or an AVX2-only CPU's.
@@ -95,6 +96,11 @@ class TorchLinears:
     def quantized(self, weight: QuantizedWeight, shares_weight: bool):
         return DequantLinearKernel(weight)
 
+    def keeps(self, weight: QuantizedWeight) -> bool:
+        """Whether a checkpoint's weight in this format is served as stored (`quantized`), not dequantized at load:
+        MXFP4 only where a kernel takes it."""
+        return not isinstance(weight, Mxfp4Weight)
+
 
 class CpuBf16Linears(TorchLinears):
     """bf16 on CPU. Dense weights: packed for oneDNN (with the GEMV and the AMX matmul for a decode step's rows)
@@ -130,7 +136,7 @@ class CpuBf16Linears(TorchLinears):
 
 
 class CudaLinears(TorchLinears):
-    """CUDA: dense weights by torch's matmul; FP8 weights on FP8 tensor cores in bf16 serving, int8 / int4 by
+    """CUDA: dense weights by torch's matmul; FP8 weights on FP8 tensor cores in bf16 serving, int8 / int4 / MXFP4 by
     Triton's GEMMs in 16-bit serving."""
 
     def __init__(self, dtype: torch.dtype, triton: bool):
@@ -140,10 +146,13 @@ class CudaLinears(TorchLinears):
         if self.dtype == torch.bfloat16 and CudaFp8LinearKernel.takes(weight):
             return CudaFp8LinearKernel(weight)
         if self.triton and self.dtype in (torch.float16, torch.bfloat16):
-            for kernel in (TritonInt8LinearKernel, TritonInt4LinearKernel):
+            for kernel in (TritonInt8LinearKernel, TritonInt4LinearKernel, TritonMxfp4LinearKernel):
                 if kernel.takes(weight):
                     return kernel(weight)
         return DequantLinearKernel(weight)
+
+    def keeps(self, weight: QuantizedWeight) -> bool:
+        return super().keeps(weight) or (self.triton and self.dtype in (torch.float16, torch.bfloat16))
 
 
 def _attention(kv_format: KVCacheFormat, dense: type, scaled: type) -> type:

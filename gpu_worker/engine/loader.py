@@ -87,8 +87,9 @@ def load_model(checkpoint: Checkpoint, kernels: KernelSet, quantizer: WeightQuan
     parts: dict[str, dict[str, torch.Tensor]] = {}  # each quantized module's tensors (qweight, scales...)
     for hf_name, tensor in unstack_experts(cfg.architecture, checkpoint.tensors()):  # gpt-oss's, one at a time
         module, _, suffix = hf_name.rpartition(".")
-        if isinstance(tensor, QuantizedWeight):  # a GGUF matrix, quantized as the file stores it
-            if dtype == torch.float32:  # the reference dtype serves dense weights, exactly the file's values
+        if isinstance(tensor, QuantizedWeight):  # a GGUF matrix or MXFP4 experts, quantized as the file stores it
+            # The reference dtype serves dense weights, exactly the file's values; so does a format no kernel keeps.
+            if dtype == torch.float32 or not kernels.linears.keeps(tensor):
                 loading.copy(hf_name, tensor.dequantize())
             else:
                 loading.add_quantized(hf_name, tensor)

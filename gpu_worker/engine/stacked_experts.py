@@ -9,8 +9,9 @@ gate and up in alternating columns), `gate_up_proj_bias` [E, 2I] (alternating to
 The released checkpoints store the two expert matrices as MXFP4 (`quantization_config` {"quant_method": "mxfp4"}):
 `{proj}_blocks` [E, out, in / 32, 16] uint8, 32 FP4 (e2m1) values per group, two per byte, the low nibble first, and
 `{proj}_scales` [E, out, in / 32] uint8, each group's E8M0 exponent (the group is scaled by 2^(scale - 127)).
-transformers' `integrations/mxfp4.py` reads them so on a CPU. They are dequantized here one expert at a time (a
-layer's whole stack in float32 would take gigabytes), to float32, which holds every value exactly; served dense.
+transformers' `integrations/mxfp4.py` reads them so on a CPU. Each expert's become an `Mxfp4Weight` (views of the
+stack): served as stored where a kernel takes them (CUDA with Triton), dequantized by the loader one expert at a time
+elsewhere (a layer's whole stack in float32 would take gigabytes).
 """
 
 from __future__ import annotations
@@ -21,29 +22,17 @@ import torch
 
 from services.text.errors import ModelLoadError
 
-from .quantization.weights import QuantizedWeight
+from .quantization.weights import Mxfp4Weight, QuantizedWeight
 
-# e2m1: sign, 2 exponent bits, 1 mantissa bit, by nibble value
-FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 _STACKED = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
 _MXFP4 = ("_blocks", "_scales")
 
 Tensors = Iterator[tuple[str, "torch.Tensor | QuantizedWeight"]]
 
 
-def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """blocks [..., G, 16] uint8 and scales [..., G] uint8 -> float32 [..., G * 32], value j of a group from byte
-    j // 2's low nibble (j even) or high one (j odd)."""
-    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
-        raise ModelLoadError(f"MXFP4 blocks {tuple(blocks.shape)} do not match scales {tuple(scales.shape)}")
-    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
-    nibbles = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2).int()  # [..., G, 32]
-    return torch.ldexp(lut[nibbles], scales.int()[..., None] - 127).flatten(-2)
-
-
 def unstack_experts(architecture: str, tensors: Tensors) -> Tensors:
     """The checkpoint's tensors with gpt-oss's stacked experts and router renamed and split per expert (MXFP4 ones
-    dequantized once both their blocks and scales have arrived: a sharded checkpoint may hold them apart); every
+    once both their blocks and scales have arrived: a sharded checkpoint may hold them apart); every
     other tensor as it comes. Other architectures' tensors pass unchanged: transformers stacks their experts
     otherwise in memory ([E, 2I, H], gate then up) but saves them one by one, so a stacked one has no place."""
     if architecture != "GptOssForCausalLM":
@@ -80,12 +69,17 @@ def _per_expert(prefix: str, leaf: str, stacked: torch.Tensor | dict[str, torch.
     proj, is_bias = leaf.removesuffix("_bias"), leaf.endswith("_bias")
     for e in range(count):
         if isinstance(stacked, dict):
-            rows = dequantize_mxfp4(stacked["blocks"][e], stacked["scales"][e])
+            blocks, scales = stacked["blocks"][e], stacked["scales"][e]
+            if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
+                raise ModelLoadError(f"MXFP4 blocks {tuple(blocks.shape)} do not match scales {tuple(scales.shape)}")
+            rows = Mxfp4Weight(blocks.flatten(-2), scales)
         else:
             rows = stacked[e] if is_bias else stacked[e].T
         suffix = "bias" if is_bias else "weight"
         if proj == "down_proj":
             yield f"{prefix}.{e}.down_proj.{suffix}", rows
         else:  # gate and up alternate
-            yield f"{prefix}.{e}.gate_proj.{suffix}", rows[0::2]
-            yield f"{prefix}.{e}.up_proj.{suffix}", rows[1::2]
+            gate, up = (rows[i::2] if isinstance(rows, torch.Tensor)
+                        else rows.select_rows(torch.arange(i, rows.shape[0], 2)) for i in (0, 1))
+            yield f"{prefix}.{e}.gate_proj.{suffix}", gate
+            yield f"{prefix}.{e}.up_proj.{suffix}", up

@@ -16,6 +16,8 @@ import torch
 
 from services.text.errors import ModelLoadError
 
+from ..quantization.weights import FP4_VALUES
+
 GGMLType = gguf.GGMLQuantizationType
 _QK_K = 256  # elements in a K-quant super-block
 _Q6_K_HIGH_SHIFTS = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)
@@ -97,8 +99,7 @@ def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
     return (step.unsqueeze(-1) * q).reshape(n, _QK_K)
 
 
-# e2m1 values by nibble (sign, 2 exponent bits, 1 mantissa bit), as `stacked_experts.FP4_VALUES`
-_FP4 = torch.tensor((0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0))
+_FP4 = torch.tensor(FP4_VALUES)  # e2m1 values by nibble
 
 
 def _mxfp4(blocks: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ..host_memory import move_to_huge_pages_
-from .weights import FP8_MAX, Fp8Weight, Int4Weight, Int8Weight, QuantizedWeight, exact_scales
+from .weights import FP8_MAX, Fp8Weight, Int4Weight, Int8Weight, Mxfp4Weight, QuantizedWeight, exact_scales
 
 # Rows up to which the native GEMVs beat dequantized tiles (they stream the weight once for all of them, but their
 # arithmetic grows with the rows where oneDNN's AMX barely notices): the AVX2 ones up to GEMV_ROWS, the VNNI ones
@@ -200,8 +200,8 @@ class CpuInt4LinearKernel(_NativeCpuKernel):
 
 
 class _TritonLinearKernel:
-    """w8a16 / w4a16 on CUDA by `triton_kernels.py`, the weight dequantized in registers (groups of 32 or more):
-    `matmul` of x as rows [M, K]; an act-order weight's inputs are permuted as they arrive."""
+    """w8a16 / w4a16 (int4 or MXFP4) on CUDA by `triton_kernels.py`, the weight dequantized in registers (groups of
+    32 or more): `matmul` of x as rows [M, K]; an act-order weight's inputs are permuted as they arrive."""
 
     input_perm: torch.Tensor | None = None
 
@@ -241,6 +241,21 @@ class TritonInt4LinearKernel(_TritonLinearKernel):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernel(x, self.packed, self.scale, self.offset)
+
+
+class TritonMxfp4LinearKernel(_TritonLinearKernel):
+    def __init__(self, weight: Mxfp4Weight):
+        from . import triton_kernels
+
+        self.kernel = triton_kernels.mxfp4_matmul
+        self.blocks, self.scales = weight.blocks.contiguous(), weight.scales.contiguous()
+
+    @staticmethod
+    def takes(weight: QuantizedWeight) -> bool:
+        return isinstance(weight, Mxfp4Weight)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernel(x, self.blocks, self.scales)
 
 
 class CudaFp8LinearKernel:

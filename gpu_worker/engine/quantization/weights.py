@@ -139,7 +139,55 @@ class Fp8Weight:
         return Fp8Weight(self.q.to(device), self.scale.to(device))
 
 
-QuantizedWeight = Int8Weight | Int4Weight | Fp8Weight
+# e2m1: sign, 2 exponent bits, 1 mantissa bit, by nibble value
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """blocks [..., G, 16] uint8 and scales [..., G] uint8 -> float32 [..., G * 32], value j of a group from byte
+    j // 2's low nibble (j even) or high one (j odd), times 2^(scale - 127)."""
+    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
+        raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} do not match scales {tuple(scales.shape)}")
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=blocks.device)
+    nibbles = unpack_nibbles(blocks).int()  # [..., G, 32]
+    return torch.ldexp(lut[nibbles], scales.int()[..., None] - 127).flatten(-2)
+
+
+@dataclass
+class Mxfp4Weight:
+    """OCP MXFP4 as gpt-oss's checkpoints store its experts: FP4 (e2m1) values, two to a byte (input 2i in byte i's
+    low nibble, 2i + 1 in its high one, as `Int4Weight`), and an E8M0 exponent per 32 inputs, w = fp4(q) * 2^(e - 127).
+    Served as stored where a kernel takes it (`kernel_choice.CudaLinears`), else dequantized at load."""
+
+    blocks: torch.Tensor  # uint8 [N, K/2]
+    scales: torch.Tensor  # uint8 [N, K/32]
+
+    bits = 4
+    group_size = 32
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.blocks.shape[0], self.blocks.shape[1] * 2))
+
+    def dequantize(self) -> torch.Tensor:
+        return self.rows(slice(None))
+
+    def rows(self, ids) -> torch.Tensor:
+        blocks, scales = self.blocks[ids], self.scales[ids]
+        return dequantize_mxfp4(blocks.unflatten(-1, (scales.shape[-1], 16)), scales)
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.nbytes + self.scales.nbytes
+
+    def select_rows(self, ids: torch.Tensor) -> Mxfp4Weight:
+        return Mxfp4Weight(self.blocks[ids], self.scales[ids])
+
+    def to(self, device: torch.device) -> Mxfp4Weight:
+        return Mxfp4Weight(self.blocks.to(device), self.scales.to(device))
+
+
+QuantizedWeight = Int8Weight | Int4Weight | Fp8Weight | Mxfp4Weight
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 
 
@@ -222,6 +270,10 @@ def concat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight:
     first = weights[0]
     if isinstance(first, Fp8Weight):
         return Fp8Weight(torch.cat([w.q for w in weights]), torch.cat([w.scale for w in weights]))
+    if isinstance(first, Mxfp4Weight):
+        if any(type(w) is not Mxfp4Weight for w in weights):
+            raise ValueError("fused shards must share one quantization scheme")
+        return Mxfp4Weight(torch.cat([w.blocks for w in weights]), torch.cat([w.scales for w in weights]))
     if isinstance(first, Int8Weight):
         if any(type(w) is not Int8Weight or w.group_size != first.group_size for w in weights):
             raise ValueError("fused shards must share one quantization scheme")

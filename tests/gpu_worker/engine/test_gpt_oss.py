@@ -21,7 +21,8 @@ from gpu_worker.engine.attention import (
 )
 from gpu_worker.engine.kernel_choice import choose_kernels
 from gpu_worker.engine.model_config import ModelConfig
-from gpu_worker.engine.stacked_experts import FP4_VALUES, dequantize_mxfp4, unstack_experts
+from gpu_worker.engine.quantization.weights import FP4_VALUES, Mxfp4Weight, dequantize_mxfp4
+from gpu_worker.engine.stacked_experts import unstack_experts
 from services.text.errors import ModelLoadError
 from tests.conftest import DEVICE, hf_model_greedy
 
@@ -103,8 +104,9 @@ def test_mxfp4_blocks_and_scales_pair_up_across_shards_and_a_lone_half_is_refuse
     shards = [(f"{name}_scales", scales), norm, (f"{name}_blocks", blocks)]
     out = dict(unstack_experts("GptOssForCausalLM", iter(shards)))
     rows = dequantize_mxfp4(blocks[1], scales[1])
-    assert torch.equal(out["model.layers.0.mlp.experts.1.gate_proj.weight"], rows[0::2])
-    assert torch.equal(out["model.layers.0.mlp.experts.1.up_proj.weight"], rows[1::2])
+    gate, up = out["model.layers.0.mlp.experts.1.gate_proj.weight"], out["model.layers.0.mlp.experts.1.up_proj.weight"]
+    assert isinstance(gate, Mxfp4Weight) and isinstance(up, Mxfp4Weight)  # kept as stored, for a kernel to take
+    assert torch.equal(gate.dequantize(), rows[0::2]) and torch.equal(up.dequantize(), rows[1::2])
     assert "model.norm.weight" in out and len(out) == 5
     with pytest.raises(ModelLoadError, match="without their blocks or scales"):
         list(unstack_experts("GptOssForCausalLM", iter([(f"{name}_blocks", blocks)])))

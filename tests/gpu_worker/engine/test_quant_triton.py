@@ -1,6 +1,6 @@
-"""The Triton w8a16 / w4a16 GEMMs (gpu_worker/engine/quantization/triton_kernels.py) against the dequantized
-weight's matmul: on CUDA when there is one, else on CPU in Triton's interpreter (fp32 and fp16; it is wrong in
-bf16). `TRITON_INTERPRET=1 pytest -k triton` runs exactly the Triton tests."""
+"""The Triton w8a16 / w4a16 GEMMs (int8, int4, MXFP4: gpu_worker/engine/quantization/triton_kernels.py) against
+the dequantized weight's matmul: on CUDA when there is one, else on CPU in Triton's interpreter (fp32 and fp16; it is
+wrong in bf16). `TRITON_INTERPRET=1 pytest -k triton` runs exactly the Triton tests."""
 
 from __future__ import annotations
 
@@ -13,8 +13,13 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
 pytest.importorskip("triton", reason="Triton is not installed")
 
-from gpu_worker.engine.quantization.triton_kernels import int4_matmul, int8_matmul  # noqa: E402
-from gpu_worker.engine.quantization.weights import Int8Weight, quantize_int4, quantize_int8  # noqa: E402
+from gpu_worker.engine.quantization.triton_kernels import int4_matmul, int8_matmul, mxfp4_matmul  # noqa: E402
+from gpu_worker.engine.quantization.weights import (  # noqa: E402
+    Int8Weight,
+    Mxfp4Weight,
+    quantize_int4,
+    quantize_int8,
+)
 from tests.kernel_inputs import seeded_weight  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -66,14 +71,46 @@ def test_triton_int4_matches_the_dequantized_matmul(n, k, group_size, m, dtype):
     _assert_matches(got, x, weight.dequantize())
 
 
+def _mxfp4(n: int, k: int) -> Mxfp4Weight:
+    """Every FP4 value in every position, exponents around 2^0 (127 +- 6), as gpt-oss's experts have them."""
+    gen = torch.Generator().manual_seed(n + k)
+    return Mxfp4Weight(torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen),
+                       torch.randint(121, 134, (n, k // 32), dtype=torch.uint8, generator=gen))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", ROWS)
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+def test_triton_mxfp4_matches_the_dequantized_matmul(n, k, m, dtype):
+    weight = _mxfp4(n, k)
+    x = torch.randn(m, k).to(dtype)
+    got = mxfp4_matmul(x.to(DEVICE), weight.blocks.to(DEVICE), weight.scales.to(DEVICE))
+    _assert_matches(got, x, weight.dequantize())
+
+
 def test_cuda_serving_takes_the_triton_kernels():
     """The choice for a CUDA engine, asked wherever Triton imports (it runs no kernel)."""
     from gpu_worker.engine import EngineConfig
     from gpu_worker.engine.kernel_choice import choose_kernels
-    from gpu_worker.engine.quantization.kernels import TritonInt4LinearKernel, TritonInt8LinearKernel
+    from gpu_worker.engine.quantization.kernels import (
+        TritonInt4LinearKernel,
+        TritonInt8LinearKernel,
+        TritonMxfp4LinearKernel,
+    )
 
     w = seeded_weight(96, 256)
     for dtype, weight, kernel in [(torch.bfloat16, quantize_int8(w), TritonInt8LinearKernel),
-                                  (torch.float16, quantize_int4(w, 64), TritonInt4LinearKernel)]:
+                                  (torch.float16, quantize_int4(w, 64), TritonInt4LinearKernel),
+                                  (torch.bfloat16, _mxfp4(96, 256), TritonMxfp4LinearKernel)]:
         linears = choose_kernels(EngineConfig("", device="cuda"), dtype).linears
+        assert linears.keeps(weight)
         assert isinstance(linears.quantized(weight.to(DEVICE), shares_weight=False), kernel)
+
+
+def test_mxfp4_experts_are_kept_as_stored_on_cuda_only():
+    """Dequantized at load elsewhere: no CPU kernel takes MXFP4 (and the float32 reference serves dense weights)."""
+    from gpu_worker.engine import EngineConfig
+    from gpu_worker.engine.kernel_choice import choose_kernels
+
+    assert not choose_kernels(EngineConfig(""), torch.bfloat16).linears.keeps(_mxfp4(96, 256))
+    assert choose_kernels(EngineConfig(""), torch.bfloat16).linears.keeps(quantize_int8(seeded_weight(96, 256)))
