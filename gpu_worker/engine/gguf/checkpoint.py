@@ -1,5 +1,5 @@
 """A llama.cpp GGUF file as a checkpoint: hyper-parameters from its metadata, weights renamed to HF's names and
-layout (Q8_0 / Q4_0 / Q4_1 matrices as our int8 / int4 weights, others, MXFP4 included, dequantized to float32;
+layout (Q8_0 / Q4_0 / Q4_1 matrices as our int8 / int4 weights, MXFP4 as MXFP4, others dequantized to float32;
 the loader casts them to the serving dtype), the tokenizer from its metadata.
 
 Served: `general.architecture` llama (Llama, Mistral and SmolLM files use it, and Mixtral's, with experts), qwen2,

@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 from gpu_worker.engine import ModelLoadError
 from gpu_worker.engine.checkpoint import open_checkpoint
 from gpu_worker.engine.model_config import ModelConfig
+from gpu_worker.engine.quantization.weights import Mxfp4Weight
 from gpu_worker.engine.rope import RotaryEmbedding
 from tests.gguf_files import write_gguf
 from tests.gpu_worker.engine import test_gguf
@@ -155,7 +156,7 @@ def test_a_q8_0_mixture_file_loads_with_its_experts_quantized_and_generates(smal
     assert [len(o.token_ids) for o in out] == [8, 8]
 
 
-def test_gpt_oss_mxfp4_experts_arrive_with_ggmls_values_and_generate(small_checkpoint, tmp_path):
+def test_gpt_oss_mxfp4_experts_arrive_as_stored_with_ggmls_values_and_generate(small_checkpoint, tmp_path):
     """MXFP4 is how the converter stores the released checkpoints' experts (repacked, not requantized)."""
     path = write_gguf(small_checkpoint("gpt-oss", **FAMILIES["gpt-oss"]), tmp_path / "model.gguf", T.MXFP4)
     weights = dict(open_checkpoint(path).tensors())
@@ -166,7 +167,8 @@ def test_gpt_oss_mxfp4_experts_arrive_with_ggmls_values_and_generate(small_check
         reference = torch.from_numpy(gguf.quants.dequantize(tensor.data, tensor.tensor_type).copy())
         for expert, values in enumerate(reference):
             served = weights[f"model.layers.{layer}.mlp.experts.{expert}.{part[4:-5]}_proj.weight"]
-            assert torch.equal(served, values), (tensor.name, expert)
+            assert isinstance(served, Mxfp4Weight)  # as stored, for a GPU's kernel (dequantized at load on a CPU)
+            assert torch.equal(served.dequantize(), values), (tensor.name, expert)
     assert len(ours_greedy(str(path), PROMPTS[:1], 8)[0]) == 8
 
 
