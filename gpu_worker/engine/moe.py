@@ -122,23 +122,17 @@ def mixture(route: Callable, experts: Sequence[Callable], x: torch.Tensor) -> to
         for expert, weight in sorted(zip(chosen[0].tolist(), weights[0].tolist(), strict=True)):
             out += experts[expert](x) * weight
         return out
-    rows, k = chosen.shape
-    chosen, ascending = chosen.sort(dim=1)
+    k = chosen.shape[1]
     pairs = chosen.flatten()  # (row, its j-th expert), row-major
-    by_expert = torch.argsort(pairs, stable=True)
+    by_expert = torch.argsort(pairs, stable=True)  # the pairs grouped by expert, rows ascending within each
     counts = torch.bincount(pairs, minlength=len(experts)).tolist()
-    grouped = x[by_expert // k]  # every pair's row, grouped by expert: one gather for all
-    outputs, start = [], 0
-    for expert, count in zip(experts, counts, strict=True):
+    row_of, weight_of = by_expert // k, weights.flatten()[by_expert, None]
+    out, start = torch.zeros_like(x), 0
+    for expert, count in zip(experts, counts, strict=True):  # ascending: each row's experts add in that order
         if count:
-            outputs.append(expert(grouped[start:start + count]))
+            rows = row_of[start:start + count]
+            out.index_add_(0, rows, expert(x.index_select(0, rows)) * weight_of[start:start + count])
             start += count
-    per_pair = torch.empty_like(grouped)
-    per_pair[by_expert] = torch.cat(outputs)  # back to (row, j) order
-    per_pair = (per_pair * weights.gather(1, ascending).flatten()[:, None]).view(rows, k, -1)
-    out = torch.zeros_like(x)
-    for j in range(k):
-        out += per_pair[:, j]
     return out
 
 
