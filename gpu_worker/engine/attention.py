@@ -100,7 +100,7 @@ def group_by_context(context_lens: list[int], growth: float = 1.5) -> list[range
 
 @dataclass
 class AttentionMetadata:
-    """Built once per step by the model runner, shared by every layer."""
+    """Built once per step by the model runner for each KV-cache group, shared by the group's layers."""
 
     slot_blocks: torch.Tensor  # [num_tokens] block of each new token's KV
     slot_offsets: torch.Tensor  # [num_tokens] its row in that block

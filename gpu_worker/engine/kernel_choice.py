@@ -220,7 +220,7 @@ def _cpu_kernels(config: EngineConfig, dtype: torch.dtype, device: torch.device,
                          config.deterministic, decode_graphs=False, isa=isa)
     native = native_kernels(isa.flags)
     module = None if config.torch_ops else native.bf16
-    ops = TorchOps() if module is None else NativeCpuOps(module)
+    ops = TorchOps() if module is None else NativeCpuOps(module, fuses_mixtures=not config.deterministic)
     return KernelSet(device, dtype, ops, kv_format, functools.partial(_cpu_bf16_attention, kv_format, module),
                      CpuBf16Linears(isa, native, config.deterministic), config.deterministic, decode_graphs=False,
                      isa=isa)

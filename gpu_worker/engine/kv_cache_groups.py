@@ -39,10 +39,6 @@ class KVCacheLayout:
         return cls(tuple(KVCacheGroup(tuple(layers[i:i + size]), window)
                          for window, layers in kinds.items() for i in range(0, len(layers), size)), len(windows))
 
-    @classmethod
-    def single(cls, num_layers: int, window: int | None = None) -> KVCacheLayout:
-        return cls.of_windows([window] * num_layers)
-
     @property
     def windows(self) -> list[int | None]:
         """Each group's window."""
@@ -60,6 +56,13 @@ class KVCacheLayout:
             for layer in group.layers:
                 groups[layer] = g
         return groups
+
+    def blocks_for(self, length: int, block_size: int, chunk: int) -> int:
+        """The most blocks one sequence of `length` tokens holds at once, over every group: all of its blocks in a
+        full group; in a sliding one those its window and a chunk of `chunk` new tokens span, unaligned."""
+        full = -(-length // block_size)
+        return sum(full if g.window is None else min(full, -(-(g.window - 1 + chunk) // block_size) + 2)
+                   for g in self.groups)
 
     def caches_by_layer(self, slots: list) -> list:
         """Each layer's cache: the tensor of its slot among `slots` (`num_slots` of them)."""

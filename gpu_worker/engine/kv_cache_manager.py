@@ -15,6 +15,8 @@ table). The hit is the longest prefix for which every group holds them (vLLM's r
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from services.text.block_hash import BlockKey, extend_keys
 
 from .block_pool import BlockPool
@@ -29,7 +31,7 @@ def cdiv(a: int, b: int) -> int:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 windows: list[int | None] = (None,)):
+                 windows: Iterable[int | None] = (None,)):
         """`windows`: each KV-cache group's sliding window, None where its layers attend to the whole context."""
         self.block_size = block_size
         self.windows = list(windows)

@@ -84,8 +84,10 @@ class LLMEngine:
         self.kernels = choose_kernels(config, self.dtype)
         self.kv_format = self.kernels.kv_format
         model = load_model(checkpoint, self.kernels, quantizer)
-        self.kv_layout = KVCacheLayout.of_windows([self.model_config.window_of(i)
-                                                   for i in range(self.model_config.num_layers)])
+        # A window no sequence outgrows frees nothing: such layers are grouped as full attention (as vLLM does).
+        self.kv_layout = KVCacheLayout.of_windows([
+            w if w is not None and w < self.max_model_len else None
+            for w in map(self.model_config.window_of, range(self.model_config.num_layers))])
         speculative = SpeculativeConfig.parse(config.speculative)
         draft = self._load_draft(speculative, checkpoint, model)
         graphs = self.kernels.decode_graphs and model.graph_capturable
@@ -104,10 +106,10 @@ class LLMEngine:
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len), self.kv,
             self._proposer(speculative, draft),
         )
-        log.info("%s: %s weights%s, KV cache %s: %d blocks of %d tokens (%d tokens)", self.model_path, self.dtype,
-                 f" quantized ({quantizer.method} at load)" if quantizer else
+        log.info("%s: %s weights%s, KV cache %s: %d blocks of %d tokens in %d group(s) of layers", self.model_path,
+                 self.dtype, f" quantized ({quantizer.method} at load)" if quantizer else
                  f" quantized ({checkpoint.quantization.name})" if checkpoint.quantization else "",
-                 self.kv_format.name, num_blocks, config.block_size, num_blocks * config.block_size)
+                 self.kv_format.name, num_blocks, config.block_size, len(self.kv_layout.groups))
         log.info("kernels: %s", kernel_summary(model, self.kernels))
         self.requests: dict[str, RequestState] = {}
         self.busy_seconds = 0.0
@@ -129,11 +131,12 @@ class LLMEngine:
             if vocab != self.model_config.vocab_size or draft.tokenizer().encode(probe) != self.tokenizer.encode(probe):
                 raise ModelLoadError(f"draft model {draft.path} does not share the target's tokenizer "
                                      f"(vocabulary {vocab}, the target's {self.model_config.vocab_size})")
-            window = self.kv_layout.groups[0].window  # the draft's layers read the target's first group's tables
-            if window is not None and any((w := draft.config.window_of(i)) is None or w > window
-                                          for i in range(draft.config.num_layers)):
-                raise ModelLoadError(f"draft model {draft.path} attends further back than the target's sliding "
-                                     f"window of {window} tokens keeps KV blocks: use a draft with that window")
+            # The draft's layers read the target's first group's tables, from the first token it has not seen: they
+            # must keep every block (a target with a full-attention layer).
+            if self.kv_layout.groups[0].window is not None:
+                raise ModelLoadError(f"a separate draft model needs a target with full-attention layers; every layer "
+                                     f"of {self.model_path} slides (its blocks out of the window are freed): use "
+                                     "ngram or a self-draft method")
             return load_model(draft, kernels)
         if not any(isinstance(m, Linear) and m.weight is not None for m in target.modules()):
             raise ModelLoadError(f"speculative method {config.method} drafts with the target's dense weights "
@@ -178,10 +181,13 @@ class LLMEngine:
                                      self.config.max_num_seqs, graph_rows, self.config.gpu_memory_utilization,
                                      self.device)
         num_blocks = (DEFAULT_CPU_KV_CACHE_BYTES if budget is None else budget) // per_block
-        if num_blocks * self.config.block_size < self.max_model_len:
+        needed = self.kv_layout.blocks_for(self.max_model_len, self.config.block_size,
+                                           self.config.max_num_batched_tokens)
+        if num_blocks < needed:
             raise ValueError(
-                f"KV cache of {num_blocks} blocks holds {num_blocks * self.config.block_size} tokens, less than "
-                f"max_model_len {self.max_model_len}: raise kv_cache_memory_bytes or lower max_model_len"
+                f"KV cache of {num_blocks} blocks of {self.config.block_size} tokens is less than the {needed} a "
+                f"sequence of max_model_len {self.max_model_len} needs: raise kv_cache_memory_bytes or lower "
+                "max_model_len"
             )
         return num_blocks
 

@@ -29,7 +29,7 @@ class ModelRunner:
         self.graphs = graphs or NoDecodeGraphs()
         self.device = device
         self.block_size = block_size
-        self.kv_caches = kv_caches  # one per layer, as the engine's KVCacheFormat allocated them
+        self.kv_caches = kv_caches  # each layer's: its KV-cache slot's tensor (`kv_cache_groups.py`)
         self.layer_groups = layer_groups or [0] * len(kv_caches)
         self.num_groups = max(self.layer_groups) + 1
         self.sampler = Sampler(model.ops)

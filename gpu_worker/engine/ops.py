@@ -107,8 +107,12 @@ class NativeCpuOps(TorchOps):
     """bf16 on CPU by a native module's kernels (`kernels.NativeKernels.bf16`): contiguous bf16 tensors whose rows
     (or heads) are a multiple of 32 wide."""
 
-    def __init__(self, module):
+    def __init__(self, module, fuses_mixtures: bool = True):
+        """`fuses_mixtures`: whether decode-sized mixture-of-experts steps run `fused_moe`; not in batch-invariant
+        mode, where every step's experts run the row-invariant product (a token's result then does not depend on
+        how many rows share its step)."""
         self.module = module
+        self.fuses_mixtures = fuses_mixtures
 
     def rms_norm(self, x, weight, eps):
         return self.module.rms_norm_bf16(x, weight, eps) if _takes(x, x.shape[-1]) else super().rms_norm(x, weight, eps)
@@ -131,7 +135,7 @@ class NativeCpuOps(TorchOps):
         return self.module.argmax_bf16(logits) if _takes(logits) else super().argmax(logits)
 
     def fused_moe_serves(self, *weights):
-        return (hasattr(self.module, "grouped_mm_bf16") and len(weights) > 0
+        return (self.fuses_mixtures and hasattr(self.module, "moe_silu_bf16") and len(weights) > 0
                 and all(isinstance(w, torch.Tensor) and w.device.type == "cpu" and _takes(w, w.shape[-1])
                         for w in weights))
 

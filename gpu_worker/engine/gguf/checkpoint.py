@@ -1,6 +1,6 @@
 """A llama.cpp GGUF file as a checkpoint: hyper-parameters from its metadata, weights renamed to HF's names and
-layout (Q8_0 / Q4_0 / Q4_1 matrices as our int8 / int4 weights, MXFP4 as MXFP4, others dequantized to float32;
-the loader casts them to the serving dtype), the tokenizer from its metadata.
+layout (Q8_0 / Q4_0 / Q4_1 matrices as our int8 / int4 weights, MXFP4 ones as `Mxfp4Weight`, others dequantized to
+float32; the loader casts them to the serving dtype), the tokenizer from its metadata.
 
 Served: `general.architecture` llama (Llama, Mistral and SmolLM files use it, and Mixtral's, with experts), qwen2,
 qwen3, qwen3moe, gemma2, gemma3, phi3, olmoe and gpt-oss (`families.py`: what each needs beyond the llama family);
@@ -63,8 +63,8 @@ class GgufCheckpoint:
         return gguf_file_tokenizer(self.reader)
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
-        """Q8_0 / Q4_0 / Q4_1 matrices arrive as quantized weights (`quantized.py`), the rest dequantized; stacked
-        experts one expert at a time."""
+        """Q8_0 / Q4_0 / Q4_1 / MXFP4 matrices arrive as quantized weights (`quantized.py`), the rest dequantized;
+        stacked experts one expert at a time."""
         for tensor in self.reader.tensors:
             if tensor.name in NOT_WEIGHTS:
                 continue

@@ -16,8 +16,6 @@ import torch
 
 from services.text.errors import ModelLoadError
 
-from ..quantization.weights import FP4_VALUES
-
 GGMLType = gguf.GGMLQuantizationType
 _QK_K = 256  # elements in a K-quant super-block
 _Q6_K_HIGH_SHIFTS = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)
@@ -99,21 +97,11 @@ def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
     return (step.unsqueeze(-1) * q).reshape(n, _QK_K)
 
 
-_FP4 = torch.tensor(FP4_VALUES)  # e2m1 values by nibble
-
-
-def _mxfp4(blocks: torch.Tensor) -> torch.Tensor:
-    """17 bytes: an E8M0 exponent e, then 32 FP4 (e2m1) nibbles, every low nibble first (ggml's order, unlike HF's
-    alternating one); x = fp4(q) * 2^(e - 127). ggml's halved scale times doubled values is the same product,
-    exact either way (a power of two times a value of at most 2 significant bits)."""
-    return torch.ldexp(_FP4[block_nibbles(blocks[:, 1:]).long()], blocks[:, :1].int() - 127)
-
-
 # Each decoder takes (n_blocks, bytes_per_block) uint8 and returns (n_blocks, values_per_block) float32.
 _DECODERS: dict[GGMLType, Callable[[torch.Tensor], torch.Tensor]] = {
     GGMLType.F32: _f32, GGMLType.F16: fp16_values, GGMLType.BF16: _bf16,
     GGMLType.Q8_0: _q8_0, GGMLType.Q4_0: _q4_0, GGMLType.Q4_1: _q4_1,
-    GGMLType.Q4_K: _q4_k, GGMLType.Q6_K: _q6_k, GGMLType.MXFP4: _mxfp4,
+    GGMLType.Q4_K: _q4_k, GGMLType.Q6_K: _q6_k,
 }
 SUPPORTED_TYPES: frozenset[GGMLType] = frozenset(_DECODERS)
 

@@ -127,8 +127,9 @@ void softmax_block(Scratch& s, int64_t R16, int64_t kb0, int64_t n, __m512 scale
       mx = _mm512_max_ps(mx, x);
     }
     mx = _mm512_max_ps(old_max, mx);  // a row that sees none of the block keeps its max: its rescale is 1
-    // The first block's old max is -inf: its rescale is 0 (the clamped exp's 1e-38 times zeros). A row that has seen
-    // no key yet (its window starts in a later block) has nothing to rescale: 0, not exp(-inf - -inf).
+    // Without a sink the first block's old max is -inf: its rescale is 0 (the clamped exp's 1e-38 times zeros); with
+    // one, exp(sink - max) of the sum of 1 the sink started it with. A row that has seen no key and has no sink (its
+    // window starts in a later block) has nothing to rescale: 0, not exp(-inf - -inf).
     const __m512 alpha = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(mx, minus_inf, _CMP_NEQ_OQ),
                                              exp16(_mm512_sub_ps(old_max, mx)));
     __m512 sum = _mm512_setzero_ps();

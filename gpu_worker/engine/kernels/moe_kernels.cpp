@@ -70,8 +70,8 @@ at::Tensor grouped_mm_bf16(const at::Tensor& x, const at::Tensor& w, const at::T
 
 // The whole mixture of a few rows with SwiGLU experts, in one parallel region: out[t] = the sum over row t's k
 // experts, in ascending expert order, of weight * down(silu(gate) * up)(x[t]). Each op's result is rounded to bf16
-// where the unfused path's torch ops round it (the projections, silu, the product, the weighting, each addition), so
-// it equals NativeCpuOps' grouped path bit for bit. x [T, H]; w_gate_up [E, 2I, H] (gate rows, then up rows);
+// where torch's ops would round it composed one by one over grouped_mm_bf16 (the projections, silu, the product, the
+// weighting, each addition): equal to that composition bit for bit. x [T, H]; w_gate_up [E, 2I, H] (gate rows, then up rows);
 // w_down [E, H, I]; weights [T, k] bf16; experts [T, k] int64.
 at::Tensor moe_silu_bf16(const at::Tensor& x, const at::Tensor& w_gate_up, const at::Tensor& w_down,
                          const at::Tensor& weights, const at::Tensor& experts) {

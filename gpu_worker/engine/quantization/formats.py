@@ -161,8 +161,8 @@ _READERS = {TokenfleetFormat.name: _tokenfleet, GptqFormat.name: _gptq, AwqForma
 
 
 def read_checkpoint_format(model_dir: Path, config: dict) -> CheckpointFormat | None:
-    """The quantization a checkpoint directory declares, or None for a plain one (MXFP4 experts included: they are
-    dequantized as they are read); unsupported ones raise."""
+    """The quantization a checkpoint directory declares, or None for a plain one (MXFP4 experts included: they arrive
+    as `Mxfp4Weight`s, `stacked_experts`); unsupported ones raise."""
     raw = config.get("quantization_config")
     legacy = model_dir / "quantize_config.json"
     if raw is None and legacy.is_file():
@@ -170,7 +170,7 @@ def read_checkpoint_format(model_dir: Path, config: dict) -> CheckpointFormat | 
     if raw is None:
         return None
     method = str(raw.get("quant_method", "")).lower()
-    if method == "mxfp4":  # gpt-oss's experts: dequantized as they are read (`stacked_experts`), then plain
+    if method == "mxfp4":  # gpt-oss's experts, read as `Mxfp4Weight`s by `stacked_experts`; the rest is plain
         return None
     if method not in _READERS:
         raise ModelLoadError(f"{model_dir}: quantization method {method!r} is not supported "

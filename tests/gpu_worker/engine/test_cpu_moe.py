@@ -7,6 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from gpu_worker.engine import EngineConfig
+from gpu_worker.engine.kernel_choice import choose_kernels
 from gpu_worker.engine.kernels import cpu_has_avx512_bf16, cpu_kernels
 from gpu_worker.engine.model_config import MoEConfig
 from gpu_worker.engine.moe import SparseMoE, fused_moe_reference, mixture
@@ -82,6 +84,8 @@ def test_the_native_ops_fuse_decode_sized_steps_of_dense_bf16_experts_only():
     assert not ops.fused_moe_serves(dense, None)  # a quantized expert's linear holds no dense weight
     assert not ops.fused_moe_serves(dense.float(), dense.float())
     assert [ops.fused_moe_takes(rows, num_experts=32, top_k=4) for rows in (1, 2, 64, 65)] == [True, True, True, False]
+    # batch-invariant mode: every step's experts by the row-invariant product, whatever shares the step
+    assert not choose_kernels(EngineConfig("", deterministic=True), torch.bfloat16).ops.fused_moe_serves(dense, dense)
 
 
 def test_a_bf16_mixture_on_native_ops_runs_fused_for_decode_steps_and_equals_the_grouped_mixture():

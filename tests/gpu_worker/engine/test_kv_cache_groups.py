@@ -3,6 +3,8 @@ block, each group with block tables of its own over one pool; a prefix hit holds
 
 from __future__ import annotations
 
+import pytest
+
 from gpu_worker.engine.kv_cache_groups import KVCacheGroup, KVCacheLayout
 from gpu_worker.engine.kv_cache_manager import FREED, KVCacheManager, cdiv
 from tests.gpu_worker.engine.test_block_pool import grow, make_seq
@@ -127,3 +129,25 @@ def test_a_fork_shares_each_groups_blocks_when_every_window_is_still_held():
     assert grow(kv, parent, 13)  # one chunk: nothing freed yet
     assert kv.fork(parent, child) == 12
     assert [t[:3] for t in kv.block_tables(parent)] == kv.block_tables(child)
+
+
+def test_a_sequence_needs_every_block_of_a_full_group_and_a_window_and_a_chunk_of_a_sliding_one():
+    layout = KVCacheLayout.of_windows([None, 64, 64])
+    assert layout.blocks_for(1024, 16, chunk=32) == 64 + 2 * (-(-(63 + 32) // 16) + 2)
+    assert KVCacheLayout.of_windows([4096]).blocks_for(1024, 16, chunk=2048) == 64  # never more than the length
+
+
+def test_a_separate_draft_model_for_a_target_whose_every_layer_slides_is_refused_by_name(make_checkpoint):
+    from gpu_worker.engine import LLM, ModelLoadError
+
+    target, draft = make_checkpoint("mistral-sliding"), make_checkpoint("llama")
+    with pytest.raises(ModelLoadError, match="full-attention layers"):
+        LLM(str(target), dtype="float32", speculative={"method": "draft", "model": str(draft),
+                                                       "num_speculative_tokens": 2})
+
+
+def test_a_window_no_sequence_outgrows_is_grouped_as_full_attention(make_checkpoint):
+    from gpu_worker.engine import LLM
+
+    llm = LLM(str(make_checkpoint("gemma3")), dtype="float32", max_model_len=32)  # its window: 40 tokens
+    assert llm.engine.kv_layout.windows == [None]
