@@ -45,7 +45,7 @@ def test_cuda_serving_takes_the_paged_kernels_and_captures_decode_graphs(make_ch
 
 
 @pytest.mark.parametrize("enforce_eager", [False, True])
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "llama-tied"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "llama-tied", "gemma3"])  # gemma3: a KV-cache group per window
 def test_float32_greedy_on_cuda_equals_hf(make_checkpoint, workload, arch, enforce_eager):
     model_dir = make_checkpoint(arch)
     prompts, max_new = workload
